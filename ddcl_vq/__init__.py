@@ -1,0 +1,18 @@
+"""ddcl-vq: a differentiable DDCL soft codebook for VQ-VAEs, with baselines and usage statistics.
+
+Pure torch + einops: no file system, no torchvision, nothing from the rest of the repository,
+so the package can be copied into another code base as it is.
+"""
+from .base import Quantizer, QuantizerOutput
+from .ddcl import DDCLQuantizer, SoftAssignment, soft_assignment
+from .ema import EMAVQ
+from .hard import HardVQ
+from .usage import USAGE_DEFINITIONS, CodebookUsage, UsageStats
+from .vqp import VQPQuantizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Quantizer", "QuantizerOutput", "DDCLQuantizer", "SoftAssignment", "soft_assignment",
+    "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
+]

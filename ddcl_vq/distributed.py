@@ -1,0 +1,52 @@
+"""Small torch.distributed helpers; every function is a no-op in a single process."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def all_reduce_sum_(t: Tensor) -> Tensor:
+    """Sum ``t`` in place over all processes (no-op when not distributed)."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_(t: Tensor, src: int = 0) -> Tensor:
+    """Overwrite ``t`` in place with rank ``src``'s copy (no-op when not distributed)."""
+    if is_distributed():
+        dist.broadcast(t, src=src)
+    return t
+
+
+def gather_rows(x: Tensor, rows_per_rank: int, generator: torch.Generator | None = None) -> Tensor:
+    """Sample ``rows_per_rank`` rows of (N, D) ``x`` on every process and concatenate them
+    in rank order, so every process returns the same (world·rows, D) matrix.
+
+    Every rank must pass the same ``rows_per_rank`` (≤ N); rows are drawn with replacement
+    when N < rows_per_rank.
+    """
+    n = x.shape[0]
+    if n >= rows_per_rank:
+        pick = torch.randperm(n, generator=generator, device="cpu")[:rows_per_rank]
+    else:
+        pick = torch.randint(n, (rows_per_rank,), generator=generator, device="cpu")
+    sample = x[pick.to(x.device)].contiguous()
+    if not is_distributed():
+        return sample
+    parts = [torch.empty_like(sample) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, sample)
+    return torch.cat(parts, 0)

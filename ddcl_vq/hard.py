@@ -1,0 +1,66 @@
+"""HardVQ: the classic VQ-VAE quantizer (argmin + straight-through), an honest baseline."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, squared_distances, unflatten
+from .kmeans import kmeans_init_
+
+
+class HardVQ(Quantizer):
+    """argmin_k ‖z − w_k‖², straight-through gradient to the encoder.
+
+    loss = (‖sg(z) − w‖² + beta·‖z − sg(w)‖²) / D  (terms ``codebook`` and ``commitment``
+    are the sum-over-D, mean-over-vectors values before weighting).
+
+    Args:
+        beta: commitment weight (0.25 as in the VQ-VAE paper).
+        distance: ``"euclidean"`` or ``"cosine"`` (z and codes l2-normalised before the
+            lookup, as in ViT-VQGAN; the decoder then sees normalised codes).
+        kmeans_init: initialise the codebook with k-means on the first training batch.
+    """
+
+    def __init__(self, num_codes: int, dim: int, *, beta: float = 0.25, distance: str = "euclidean",
+                 kmeans_init: bool = False, channel_dim: int = 1):
+        super().__init__(num_codes, dim, channel_dim)
+        if distance not in ("euclidean", "cosine"):
+            raise ValueError(f"expected distance 'euclidean' or 'cosine', got {distance!r}")
+        if not beta >= 0:
+            raise ValueError(f"expected beta >= 0, got {beta!r}")
+        self.beta = float(beta)
+        self.distance = distance
+        self.weight = nn.Parameter(torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes))
+        self.register_buffer("initialized", torch.tensor(not kmeans_init))
+
+    @property
+    def codebook(self) -> Tensor:
+        return F.normalize(self.weight, dim=1) if self.distance == "cosine" else self.weight
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        dtype = compute_dtype(z)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            x = flat.to(dtype)
+            if self.distance == "cosine":
+                x = F.normalize(x, dim=1)
+            if self.training and not bool(self.initialized):
+                kmeans_init_(self.weight.data, x)
+                self.initialized.fill_(True)
+            w = self.codebook.to(dtype)
+            with torch.no_grad():
+                indices = squared_distances(x, w).argmin(1)
+            hard = w[indices]
+            codebook_term = (x.detach() - hard).pow(2).sum(1).mean()
+            commitment = (x - hard.detach()).pow(2).sum(1).mean()
+            loss = (codebook_term + self.beta * commitment) / self.dim
+            out = hard.detach() + (x - x.detach())  # value exactly w_{k*}, gradient identity
+        return QuantizerOutput(
+            quantized=unflatten(out.to(z.dtype), last_shape, self.channel_dim),
+            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
+            terms={"codebook": codebook_term.detach(), "commitment": commitment.detach()},
+            perplexity=batch_perplexity(indices, self.num_codes))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", beta={self.beta:g}, distance={self.distance!r}"

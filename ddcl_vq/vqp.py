@@ -1,0 +1,55 @@
+"""The real peer: vector-quantize-pytorch's ``VectorQuantize`` behind ddcl_vq's interface.
+
+vector-quantize-pytorch is an optional dependency (``pip install vector-quantize-pytorch``,
+included in the ``dev`` extra); it is imported only when this class is built.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
+
+
+class VQPQuantizer(Quantizer):
+    """Wraps ``vector_quantize_pytorch.VectorQuantize(dim, codebook_size, **vq_kwargs)``.
+
+    The peer runs unchanged (its defaults: EMA codebook, decay 0.8, commitment weight 1);
+    only the layout is adapted: (B, D, *S) or (..., D) in, the same layout out. The peer's
+    returned loss is passed through as ``loss`` and reported as ``terms["commitment"]``.
+    Its EMA and dead-code statistics are the peer's own (it all-reduces them itself when
+    its ``sync_codebook`` is on, which it enables by default under torch.distributed).
+    """
+
+    def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **vq_kwargs: Any):
+        super().__init__(num_codes, dim, channel_dim)
+        try:
+            from vector_quantize_pytorch import VectorQuantize
+        except ImportError as err:  # pragma: no cover - exercised only without the package
+            raise ImportError(
+                "quantizer type 'vqp' needs the vector-quantize-pytorch package: "
+                "pip install vector-quantize-pytorch (or install ddcl-vq with the 'dev' extra)") from err
+        self.vq_kwargs = dict(vq_kwargs)
+        self.vq = VectorQuantize(dim=dim, codebook_size=num_codes, **vq_kwargs)
+
+    @property
+    def codebook(self) -> Tensor:
+        return self.vq.codebook
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            x = flat.float() if flat.dtype != torch.float64 else flat
+            quantized, indices, loss = self.vq(x.unsqueeze(0))
+        indices = indices.reshape(-1).long()
+        loss = loss.reshape(()) if loss.numel() == 1 else loss.sum()
+        return QuantizerOutput(
+            quantized=unflatten(quantized.reshape(-1, self.dim).to(z.dtype), last_shape, self.channel_dim),
+            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
+            terms={"commitment": loss.detach()},
+            perplexity=batch_perplexity(indices, self.num_codes))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", vq_kwargs={self.vq_kwargs}"

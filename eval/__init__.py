@@ -1,0 +1,1 @@
+"""Evaluators: reconstruction metrics, evaluate, compare, study, bench, and the ddcl-vq CLI."""

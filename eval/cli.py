@@ -1,0 +1,64 @@
+"""``ddcl-vq``: one console script, one subcommand per job.
+
+Each subcommand lives in its own module with a ``main(argv)`` function; only the
+subcommands whose module is present are offered, so ``--help`` never lists one that
+does not work.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import List, Optional
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("train.cli", "train a VQ-VAE from a YAML config (also: python -m train, torchrun -m train)"),
+    "evaluate": ("eval.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
+    "compare": ("eval.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
+    "study": ("eval.study", "train, evaluate and compare every arm of a study config"),
+    "bench": ("eval.bench", "quantizer speed and memory, side by side with the peers"),
+    "readout-study": ("eval.readout_study", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
+}
+
+
+def available() -> dict:
+    out = {}
+    for name, (module, text) in COMMANDS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            out[name] = (module, text)
+    return out
+
+
+def usage(commands: dict) -> str:
+    width = max((len(n) for n in commands), default=8)
+    lines = ["usage: ddcl-vq COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {n.ljust(width)}  {t}" for n, (_, t) in commands.items()]
+    lines += ["", "ddcl-vq COMMAND --help explains each command."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = available()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(commands))
+        return 0
+    if argv[0] in ("-V", "--version"):
+        import ddcl_vq
+        print(f"ddcl-vq {ddcl_vq.__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in commands:
+        print(f"ddcl-vq: unknown command {name!r}; expected one of: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(commands[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Encoder, decoder and the VQVAE that plugs any ddcl_vq quantizer in between."""

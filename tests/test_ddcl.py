@@ -1,0 +1,215 @@
+"""DDCLQuantizer: the exact decomposition, indices, outputs and gradients of every mode."""
+import pytest
+import torch
+
+from ddcl_vq import DDCLQuantizer, HardVQ, soft_assignment
+
+
+def reference(z_flat, w, tau):
+    """Independent computation: explicit pairwise differences, no expansion trick."""
+    d = (z_flat[:, None, :] - w[None, :, :]).pow(2).sum(-1)
+    q = torch.softmax(-d / (tau * w.shape[1]), dim=1)
+    return d, q
+
+
+def make(num_codes=16, dim=8, dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    quant = DDCLQuantizer(num_codes, dim, codebook_init="normal", **kw).to(dtype)
+    return quant
+
+
+def check_identity(z, w, tau, rel):
+    a = soft_assignment(z, w, tau * z.shape[1])
+    lq, ols, var = a.distortion.item(), a.ols.item(), a.variance.item()
+    assert var >= 0
+    assert abs(lq - (ols + var)) <= rel * max(abs(lq), 1e-300), (lq, ols, var)
+    # and against the definitions computed independently
+    d, q = reference(z, w, tau)
+    soft = q @ w
+    assert torch.allclose(a.distortion, (q * d).sum(1).mean(), rtol=max(rel, 1e-12) * 10)
+    assert torch.allclose(a.ols, (z - soft).pow(2).sum(1).mean(), rtol=1e-4, atol=1e-6 * lq)
+    v = (q * (w[None] - soft[:, None]).pow(2).sum(-1)).sum(1).mean()
+    assert torch.allclose(a.variance, v, rtol=1e-4, atol=1e-6 * lq)
+
+
+CASES = {
+    "random": lambda g: (torch.randn(64, 8, generator=g), torch.randn(16, 8, generator=g), 0.1),
+    "huge_norms": lambda g: (1e3 * torch.randn(64, 8, generator=g), 1e3 * torch.randn(16, 8, generator=g), 0.5),
+    "far_offset": lambda g: (torch.randn(64, 8, generator=g) + 500.0, torch.randn(16, 8, generator=g) + 500.0, 0.1),
+    "tiny_tau": lambda g: (torch.randn(64, 8, generator=g), torch.randn(16, 8, generator=g), 1e-4),
+    "k_equals_1": lambda g: (torch.randn(64, 8, generator=g), torch.randn(1, 8, generator=g), 0.1),
+    "duplicate_codes": lambda g: (torch.randn(64, 8, generator=g), torch.randn(4, 8, generator=g).repeat(4, 1), 0.1),
+    "high_tau": lambda g: (torch.randn(64, 8, generator=g), torch.randn(16, 8, generator=g), 100.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decomposition_float64(case):
+    z, w, tau = CASES[case](torch.Generator().manual_seed(1))
+    check_identity(z.double(), w.double(), tau, rel=1e-10)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decomposition_float32(case):
+    z, w, tau = CASES[case](torch.Generator().manual_seed(2))
+    check_identity(z.float(), w.float(), tau, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["soft", "straight_through", "soft_straight_through"])
+def test_reported_terms_obey_identity_in_every_mode(mode):
+    quant = make(mode=mode, temperature=0.05)
+    out = quant(torch.randn(4, 8, 5, 5, dtype=torch.float64))
+    t = out.terms
+    assert abs(t["distortion"] - t["ols"] - t["variance"]) <= 1e-10 * t["distortion"]
+    assert t["variance"] >= 0
+
+
+def test_indices_are_argmin_and_soft_output_is_qW():
+    quant = make(mode="soft", temperature=0.2)
+    z = torch.randn(3, 8, 4, 4, dtype=torch.float64)
+    out = quant(z)
+    flat = z.permute(0, 2, 3, 1).reshape(-1, 8)
+    d, q = reference(flat, quant.codebook.detach(), 0.2)
+    assert torch.equal(out.indices, d.argmin(1).reshape(3, 4, 4))
+    expected = (q @ quant.codebook.detach()).reshape(3, 4, 4, 8).permute(0, 3, 1, 2)
+    assert torch.allclose(out.quantized, expected, atol=1e-12)
+    assert out.indices.dtype == torch.long and out.quantized.shape == z.shape
+
+
+def test_channel_last_layout():
+    quant = make(mode="straight_through", channel_dim=-1)
+    z = torch.randn(2, 7, 8, dtype=torch.float64)
+    out = quant(z)
+    assert out.quantized.shape == (2, 7, 8) and out.indices.shape == (2, 7)
+    assert torch.equal(out.quantized, quant.lookup(out.indices))
+
+
+def test_straight_through_forward_and_gradients():
+    beta, tau = 0.25, 0.1
+    quant = make(mode="straight_through", temperature=tau, beta=beta)
+    z = torch.randn(2, 8, 3, 3, dtype=torch.float64, requires_grad=True)
+    out = quant(z)
+    assert torch.equal(out.quantized, quant.lookup(out.indices))
+    upstream = torch.randn_like(z)
+    (out.quantized * upstream).sum().add(out.loss).backward()
+    # encoder: straight-through identity + gradient of beta*||z - sg(w*)||^2 / D (mean over vectors)
+    flat = z.detach().permute(0, 2, 3, 1).reshape(-1, 8)
+    hard = quant.codebook.detach()[out.indices.reshape(-1)]
+    n = flat.shape[0]
+    commit_grad = (beta * 2 * (flat - hard) / n / 8).reshape(2, 3, 3, 8).permute(0, 3, 1, 2)
+    assert torch.allclose(z.grad, upstream + commit_grad, atol=1e-12)
+    # codebook: gradient of the DDCL distortion on sg(z), / D
+    w = quant.codebook.detach().clone().requires_grad_(True)
+    d, q = reference(flat, w, tau)
+    ((q * d).sum(1).mean() / 8).backward()
+    assert torch.allclose(quant.weight.grad, w.grad, atol=1e-12)
+
+
+def test_soft_straight_through_forward_hard_gradients_soft():
+    z = torch.randn(2, 8, 3, 3, dtype=torch.float64)
+    upstream = torch.randn_like(z)
+    grads = {}
+    for mode in ("soft", "soft_straight_through"):
+        quant = make(mode=mode, temperature=0.3, seed=5)
+        zz = z.clone().requires_grad_(True)
+        out = quant(zz)
+        if mode == "soft_straight_through":
+            assert torch.allclose(out.quantized, quant.lookup(out.indices), atol=1e-12)
+        (out.quantized * upstream).sum().add(out.loss).backward()
+        grads[mode] = (zz.grad, quant.weight.grad)
+    assert torch.allclose(grads["soft"][0], grads["soft_straight_through"][0], atol=1e-12)
+    assert torch.allclose(grads["soft"][1], grads["soft_straight_through"][1], atol=1e-12)
+
+
+def test_gradcheck_soft_assignment_float64():
+    """The differentiable core (soft codes and all three terms) against finite differences."""
+    z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(z_, w_):
+        a = soft_assignment(z_, w_, 0.7)
+        return a.soft, a.distortion, a.ols, a.variance
+
+    assert torch.autograd.gradcheck(f, (z, w), eps=1e-6, atol=1e-7)
+
+
+def test_gradcheck_soft_mode_module_float64():
+    """The whole module in soft mode (straight-through modes use a surrogate gradient by design)."""
+    quant = make(num_codes=5, dim=3, mode="soft", temperature=0.5)
+    z = torch.randn(2, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+    w = quant.weight.detach().clone().requires_grad_(True)
+    upstream = torch.randn(2, 3, 2, 2, dtype=torch.float64)
+
+    def g(z_, w_):
+        saved = quant.weight
+        del quant.weight
+        quant.weight = w_
+        try:
+            out = quant(z_)
+        finally:
+            del quant.weight
+            quant.weight = saved
+        return (out.quantized * upstream).sum() + out.loss
+
+    assert torch.autograd.gradcheck(g, (z, w), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["soft", "straight_through"])
+def test_every_code_gets_gradient_but_hardvq_dead_codes_get_none(mode):
+    torch.manual_seed(0)
+    ddcl = DDCLQuantizer(32, 8, mode=mode, temperature=0.5, codebook_init="normal").double()
+    z = torch.randn(4, 8, 2, 2, dtype=torch.float64, requires_grad=True)  # 16 vectors < 32 codes
+    out = ddcl(z)
+    (out.quantized.pow(2).sum() + out.loss).backward()
+    assert (ddcl.weight.grad.abs().sum(1) > 0).all()
+
+    hard = HardVQ(32, 8).double()
+    hard.weight.data = ddcl.weight.detach().clone()
+    out = hard(z)
+    (out.quantized.pow(2).sum() + out.loss).backward()
+    used = torch.zeros(32, dtype=torch.bool)
+    used[out.indices.reshape(-1)] = True
+    assert (~used).any()
+    assert (hard.weight.grad[~used] == 0).all()
+    assert (hard.weight.grad[used].abs().sum(1) > 0).all()
+
+
+def test_low_temperature_soft_output_approaches_hard_code():
+    z = torch.randn(2, 8, 3, 3, dtype=torch.float64)
+    errors = []
+    for tau in (1.0, 0.1, 0.01, 1e-3, 1e-5):
+        quant = make(mode="soft", temperature=tau, seed=3)
+        out = quant(z)
+        errors.append((out.quantized - quant.lookup(out.indices)).abs().mean().item())
+    assert errors[-1] < 1e-6
+    assert errors == sorted(errors, reverse=True)
+
+
+@pytest.mark.parametrize("mode", ["soft", "straight_through", "soft_straight_through"])
+def test_no_nan_at_tiny_tau_and_huge_distances(mode):
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(16, 8, mode=mode, temperature=1e-4, codebook_init="normal")
+    z = (torch.randn(2, 8, 4, 4) * 250).requires_grad_(True)  # squared distances ~ 1e6
+    out = quant(z)
+    assert out.terms["distortion"] > 1e5
+    (out.quantized.sum() + out.loss).backward()
+    for t in [out.quantized, out.loss, z.grad, quant.weight.grad, *out.terms.values()]:
+        assert torch.isfinite(t).all()
+
+
+def test_bf16_autocast_same_indices_and_float32_math():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(64, 16, temperature=0.05, codebook_init="normal")
+    conv = torch.nn.Conv2d(3, 16, 1)
+    x = torch.randn(4, 3, 6, 6)
+    ref = quant(conv(x).float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = conv(x)
+        assert z.dtype == torch.bfloat16
+        out = quant(z)
+    # bf16 features round the input; indices computed in float32 from the same bf16 values
+    z32 = z.float()
+    assert torch.equal(out.indices, quant(z32).indices)
+    assert out.loss.dtype == torch.float32 and out.terms["distortion"].dtype == torch.float32
+    agree = (out.indices == ref.indices).float().mean()
+    assert agree > 0.95

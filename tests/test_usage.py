@@ -1,0 +1,53 @@
+"""CodebookUsage against a hand-computed example."""
+import math
+
+import pytest
+import torch
+
+from ddcl_vq import CodebookUsage, DDCLQuantizer
+
+
+def test_hand_computed_example():
+    usage = CodebookUsage(4)
+    usage.update(torch.tensor([[0, 0], [1, 0]]))
+    usage.update(torch.tensor([1, 0]))
+    s = usage.compute()
+    # counts: code0=4, code1=2, code2=0, code3=0 -> p = (2/3, 1/3)
+    assert s.counts == [4, 2, 0, 0]
+    assert s.num_vectors == 6
+    assert s.active_codes == 2 and s.dead_codes == 2 and s.utilization == 0.5
+    h = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert s.perplexity == pytest.approx(math.exp(h))
+    assert s.entropy_bits == pytest.approx(h / math.log(2))
+    assert s.soft_perplexity is None
+
+
+def test_soft_perplexity_and_reset():
+    usage = CodebookUsage(2)
+    usage.update(torch.tensor([0, 0]), soft_counts=torch.tensor([1.0, 1.0]))
+    s = usage.compute()
+    assert s.perplexity == pytest.approx(1.0) and s.soft_perplexity == pytest.approx(2.0)
+    usage.reset()
+    assert usage.compute().num_vectors == 0
+
+
+def test_uniform_usage_has_perplexity_k():
+    usage = CodebookUsage(8)
+    usage.update(torch.arange(8).repeat(3))
+    s = usage.compute()
+    assert s.perplexity == pytest.approx(8.0) and s.entropy_bits == pytest.approx(3.0) and s.utilization == 1.0
+
+
+def test_ddcl_output_feeds_usage():
+    q = DDCLQuantizer(16, 4)
+    out = q(torch.randn(2, 4, 3, 3))
+    usage = CodebookUsage(16)
+    usage.update(out.indices, out.soft_counts)
+    s = usage.compute()
+    assert s.num_vectors == 18 and s.soft_perplexity is not None
+    assert float(out.soft_counts.sum()) == pytest.approx(18.0, rel=1e-5)
+
+
+def test_out_of_range_index_rejected():
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        CodebookUsage(4).update(torch.tensor([4]))

@@ -1,0 +1,1 @@
+"""Config schema, datasets, training loop, checkpoints and the ``train`` command."""
