@@ -87,3 +87,110 @@ class TensorImageDataset(Dataset):
 
     def __getitem__(self, i: int):
         return self.images[i].float().div_(255.0), self.labels[i]
+
+
+# Photographs that scikit-image ships in its wheel (load offline). Test photographs are
+# different pictures from training ones, so patches never leak across the split.
+NATURAL_TRAIN_PHOTOS = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
+NATURAL_TEST_PHOTOS = ("chelsea", "stereo_motorcycle")
+
+
+def natural_patches(split: str, size: int, per_image: int, seed: int = 0) -> TensorImageDataset:
+    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs."""
+    import skimage.data
+
+    names = NATURAL_TRAIN_PHOTOS if split == "train" else NATURAL_TEST_PHOTOS
+    gen = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
+    patches = []
+    for name in names:
+        img = getattr(skimage.data, name)()
+        img = img[0] if isinstance(img, tuple) else img
+        photo = torch.from_numpy(np.ascontiguousarray(img[..., :3])).permute(2, 0, 1)  # (3, H, W) uint8
+        h, w = photo.shape[1:]
+        n = per_image if split == "train" else max(1, per_image // 4)
+        ys = torch.randint(0, h - size + 1, (n,), generator=gen)
+        xs = torch.randint(0, w - size + 1, (n,), generator=gen)
+        patches += [photo[:, y:y + size, x:x + size] for y, x in zip(ys.tolist(), xs.tolist())]
+    images = torch.stack(patches)
+    return TensorImageDataset(images, torch.full((len(images),), -1), size)
+
+
+def _torchvision_dataset(name: str, split: str, root: str, download: bool, image_size: int) -> TensorImageDataset:
+    from torchvision import datasets
+
+    cls = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[name]
+    try:
+        ds = cls(root, train=split == "train", download=download)
+    except Exception as err:  # noqa: BLE001
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataUnavailable(f"{name}: not found under {root!r} and torchvision could not download it "
+                              f"({reason}); put the files there or run with internet and data.download=true") from None
+    data = torch.as_tensor(ds.data)
+    images = data[:, None] if data.dim() == 3 else data.permute(0, 3, 1, 2)
+    if images.shape[-1] > image_size:
+        raise DataUnavailable(f"{name}: images are {images.shape[-1]}px, expected data.image_size >= that, "
+                              f"got {image_size}")
+    return TensorImageDataset(images.contiguous(), torch.as_tensor(ds.targets), image_size)
+
+
+def _image_folder(root: str, split: str, image_size: int) -> Dataset:
+    from torchvision import datasets, transforms
+
+    folder = Path(root) / split
+    if not folder.is_dir():
+        raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
+                              f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
+    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor()])
+    return datasets.ImageFolder(str(folder), transform=tf)
+
+
+def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
+    """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
+    if split not in SPLITS:
+        raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    name = data_cfg.name
+    if name == "fashion_mnist":
+        images, labels = fashion_mnist_arrays(split, data_cfg.root, data_cfg.download)
+        return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
+                                  data_cfg.image_size)
+    if name in ("mnist", "cifar10"):
+        return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
+    if name == "image_folder":
+        return _image_folder(data_cfg.root, split, data_cfg.image_size)
+    if name == "natural_patches":
+        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed)
+    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, got {name!r}")
+
+
+def image_channels(data_cfg) -> int:
+    return 1 if data_cfg.name in ("fashion_mnist", "mnist") else 3
+
+
+class EpochBatches:
+    """Deterministic batches of dataset indices for one process.
+
+    Epoch e's order is randperm(n) from a generator seeded with (seed, e), cut into global
+    batches of ``global_batch`` (the remainder is dropped); process r of w takes rows
+    [r·b, (r+1)·b) of each global batch, b = global_batch / w. ``start_step`` skips ahead
+    without touching data, so a resumed run sees exactly the batches a straight run would.
+    """
+
+    def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
+        if global_batch % world:
+            raise ValueError(f"expected data.batch_size divisible by the number of processes ({world}), "
+                             f"got {global_batch}")
+        if n < global_batch:
+            raise ValueError(f"expected a dataset of at least data.batch_size={global_batch} images, got {n}")
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.rank, self.world, self.step = rank, world, start_step
+        self.per_epoch = n // global_batch
+
+    def __iter__(self):
+        local = self.global_batch // self.world
+        while True:
+            epoch, offset = divmod(self.step, self.per_epoch)
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+            for b in range(offset, self.per_epoch):
+                batch = order[b * self.global_batch:(b + 1) * self.global_batch]
+                self.step += 1
+                yield batch[self.rank * local:(self.rank + 1) * local].tolist()

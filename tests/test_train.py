@@ -1,0 +1,171 @@
+"""Training on real Fashion-MNIST with tiny budgets: every quantizer, resume, checkpoints, errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import VQVAE
+from train import data as data_module
+from train.builders import build_model, temperature_at
+from train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.cli import main as train_main
+from train.config import Config, ConfigError, load_config
+from train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
+from train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("qtype", ["ddcl", "hard", "ema", "vqp"])
+def test_few_step_run_for_each_quantizer(tiny_config, qtype):
+    cfg = tiny_config(f"quantizer.type={qtype}", config=f"configs/fashion_{qtype}.yaml")
+    summary = train(cfg, quiet=True)
+    run = Path(cfg.run.dir)
+    assert (run / "config.yaml").exists() and (run / "checkpoints" / "last.pt").exists()
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert summary["num_images"] == 256 and summary["step"] == 6
+    assert 0 < summary["codebook"]["active_codes"] <= 32
+    assert (summary["soft"] is not None) == (qtype == "ddcl")
+    assert load_config(run / "config.yaml") == cfg  # resolved config round-trips
+
+
+def test_resume_equals_straight_run(tiny_config, tmp_path):
+    straight = tiny_config("train.steps=20", "train.checkpoint_every=5", run_dir=tmp_path / "a")
+    train(straight, quiet=True)
+    resumed = tiny_config("train.steps=20", "train.checkpoint_every=5", run_dir=tmp_path / "b")
+    train(resumed, quiet=True, stop_after=10)
+    assert load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")["step"] == 10
+    train(resumed, quiet=True)
+    a = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 20
+    for key, value in a["model"].items():
+        assert torch.allclose(value.float(), b["model"][key].float(), atol=1e-6), key
+    steps_b = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps_b == list(range(2, 21, 2))
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "train", "--config", "configs/fashion_hard.yaml", "--quiet",
+            f"run.dir={run}", "train.steps=400", "train.checkpoint_every=2", "model.channels=16",
+            "model.res_hidden=8", "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=32",
+            "train.eval_images=64"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = run / "checkpoints" / "last.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not last.exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = load_checkpoint(last)["step"]
+    assert 0 < killed_at < 400
+    out = subprocess.run(args[:-1] + ["train.eval_images=64", "train.steps=" + str(killed_at + 4)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert load_checkpoint(last)["step"] == killed_at + 4
+
+
+def test_corrupted_checkpoint_clear_error_and_previous_survives(tiny_config, capsys):
+    cfg = tiny_config("train.steps=6", "train.checkpoint_every=3")
+    train(cfg, quiet=True)
+    ckpt = Path(cfg.run.dir) / "checkpoints"
+    data = (ckpt / "last.pt").read_bytes()
+    (ckpt / "last.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"last\.pt.*truncated or corrupted"):
+        load_checkpoint(ckpt / "last.pt")
+    state, path = latest_checkpoint(ckpt)
+    assert path.name == "step_0000006.pt" and state["step"] == 6
+    assert "trying an older checkpoint" in capsys.readouterr().err
+
+
+def test_atomic_save_keeps_old_file_on_crash(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_checkpoint({"model": {}, "step": 1}, path)
+
+    def broken_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        save_checkpoint({"model": {}, "step": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_unknown_config_key_names_itself(capsys):
+    code = train_main(["--config", "configs/fashion_ddcl.yaml", "quantizer.temprature=0.1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown config key 'quantizer.temprature'; did you mean 'quantizer.temperature'?" in err
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stesp'; did you mean 'train.steps'"):
+        Config.from_dict({"train": {"stesp": 3}})
+    with pytest.raises(ConfigError, match=r"'train.lr': expected float, got 'fast'"):
+        load_config("configs/fashion_ddcl.yaml", ["train.lr=fast"])
+
+
+def test_missing_data_names_both_ways(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "DEBIAN_FASHION_DIR", tmp_path / "nothing")
+    monkeypatch.delenv("DDCL_VQ_FASHION_DIR", raising=False)
+    with pytest.raises(DataUnavailable) as err:
+        fashion_mnist_arrays("test", root=tmp_path / "data", download=False)
+    message = str(err.value)
+    assert "apt-get install dataset-fashion-mnist" in message and "torchvision" in message
+
+
+def test_real_data_splits_are_apart():
+    train_x, train_y = fashion_mnist_arrays("train")
+    test_x, test_y = fashion_mnist_arrays("test")
+    assert train_x.shape == (60000, 28, 28) and test_x.shape == (10000, 28, 28)
+    assert set(train_y.tolist()) == set(range(10))
+    cfg = Config()
+    image, _ = build_dataset(cfg.data, "test")[0]
+    assert image.shape == (1, 32, 32) and 0 <= float(image.min()) and float(image.max()) <= 1
+
+
+def test_natural_patches_are_colour_and_split_by_photograph():
+    cfg = load_config(None, ["data.name=natural_patches", "data.patches_per_image=8"])
+    train_set, test_set = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "test")
+    assert train_set[0][0].shape == (3, 32, 32)
+    assert len(train_set) == 6 * 8 and len(test_set) == 2 * 2
+
+
+def test_decode_indices_of_encode_indices_is_hard_reconstruction(tiny_config):
+    cfg = tiny_config()
+    model = build_model(cfg, 1).eval()
+    x = build_dataset(cfg.data, "test")[0][0][None].repeat(3, 1, 1, 1)
+    idx = model.encode_indices(x)
+    assert idx.shape == (3, 8, 8) and idx.dtype == torch.long
+    assert torch.allclose(model.decode_indices(idx), model.reconstruct(x, "hard"))
+
+
+def test_temperature_schedules():
+    cfg = load_config(None, ["train.steps=100", "train.temperature_schedule=cosine", "train.temperature_final=0.1"])
+    assert temperature_at(0, 1.0, cfg.train) == pytest.approx(1.0)
+    assert temperature_at(50, 1.0, cfg.train) == pytest.approx(0.55)
+    assert temperature_at(100, 1.0, cfg.train) == pytest.approx(0.1)
+    cfg.train.temperature_schedule = "exponential"
+    assert temperature_at(50, 1.0, cfg.train) == pytest.approx(0.1 ** 0.5)
+    with pytest.raises(ConfigError, match="temperature_final"):
+        load_config(None, ["train.temperature_schedule=cosine"])
+
+
+def test_rho_warning_for_ddcl(tiny_config):
+    from train.builders import build_optimizer
+    cfg = tiny_config("train.codebook_lr_ratio=1.0")
+    with pytest.warns(UserWarning, match="timescale"):
+        build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
+    opt = build_optimizer(build_model(cfg, 1), tiny_config("train.codebook_lr_ratio=4").train, "ddcl")
+    assert opt.param_groups[1]["lr"] == pytest.approx(4 * opt.param_groups[0]["lr"])

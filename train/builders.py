@@ -1,0 +1,69 @@
+"""Config -> model, quantizer, optimizer, schedules."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, VQPQuantizer
+from models import VQVAE, Decoder, Encoder
+
+from .config import Config, QuantizerConfig, TrainConfig
+
+
+def build_quantizer(q: QuantizerConfig, dim: int) -> Quantizer:
+    if q.type == "ddcl":
+        return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, mode=q.mode, beta=q.beta,
+                             codebook_init=q.codebook_init)
+    if q.type == "hard":
+        return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
+    if q.type == "ema":
+        return EMAVQ(q.num_codes, dim, decay=q.decay, beta=q.beta, dead_code_threshold=q.dead_code_threshold)
+    if q.type == "vqp":
+        return VQPQuantizer(q.num_codes, dim, **q.vqp)
+    raise ValueError(f"expected quantizer.type in ddcl, hard, ema, vqp, got {q.type!r}")
+
+
+def build_model(cfg: Config, in_channels: int) -> VQVAE:
+    m = cfg.model
+    common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
+                  latent_dim=m.latent_dim, res_hidden=m.res_hidden)
+    return VQVAE(Encoder(in_channels=in_channels, **common), build_quantizer(cfg.quantizer, m.latent_dim),
+                 Decoder(out_channels=in_channels, **common))
+
+
+def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.optim.Optimizer:
+    """AdamW with two groups: encoder/decoder at ``lr``, the codebook at ``codebook_lr_ratio``·lr.
+
+    DDCL-Attention's stability argument needs the prototypes on the faster timescale
+    (ratio > 1); a warning says so when the ratio is ≤ 1 for a DDCL quantizer.
+    """
+    codebook = [p for p in model.quantizer.parameters() if p.requires_grad]
+    ids = {id(p) for p in codebook}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    groups = [{"params": rest, "lr": t.lr, "weight_decay": t.weight_decay, "name": "encoder_decoder"}]
+    if codebook:
+        groups.append({"params": codebook, "lr": t.lr * t.codebook_lr_ratio, "weight_decay": 0.0, "name": "codebook"})
+    if quantizer_type == "ddcl" and t.codebook_lr_ratio <= 1:
+        warnings.warn(f"train.codebook_lr_ratio={t.codebook_lr_ratio:g} <= 1: DDCL's timescale condition asks "
+                      "for the codebook to learn faster than the encoder (ratio > 1)", stacklevel=2)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.99))
+
+
+def lr_lambda(t: TrainConfig):
+    if t.lr_schedule == "constant":
+        return lambda step: 1.0
+    return lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, t.steps) / t.steps))
+
+
+def temperature_at(step: int, start: float, t: TrainConfig) -> float:
+    """τ at ``step`` for the configured schedule (constant, cosine or exponential anneal to τ_final)."""
+    if t.temperature_schedule == "constant":
+        return start
+    frac = min(step, t.steps) / t.steps
+    end = t.temperature_final
+    if t.temperature_schedule == "cosine":
+        return end + (start - end) * 0.5 * (1 + math.cos(math.pi * frac))
+    return start * (end / start) ** frac

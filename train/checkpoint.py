@@ -1,0 +1,80 @@
+"""Atomic checkpoints: write to a temporary file, fsync, rename; load with weights_only=True."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+KEEP_PERIODIC = 3
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or corrupted; the message names the file."""
+
+
+def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
+    """Write ``state`` to ``path`` atomically: a crash mid-write leaves the old file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``; unreadable files raise CheckpointError."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
+                              f"({type(err).__name__}: {reason})") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r}: expected a ddcl-vq training checkpoint "
+                              f"(a dict with 'model' and 'step'), got {type(state).__name__}")
+    return state
+
+
+def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:
+    """step_XXXXXXX.pt files, newest first."""
+    files = [p for p in Path(ckpt_dir).glob("step_*.pt") if re.fullmatch(r"step_\d+\.pt", p.name)]
+    return sorted(files, key=lambda p: int(p.stem.split("_")[1]), reverse=True)
+
+
+def prune_periodic(ckpt_dir: Path, keep: int = KEEP_PERIODIC) -> None:
+    for old in periodic_checkpoints(ckpt_dir)[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def latest_checkpoint(ckpt_dir: Path, map_location="cpu") -> Optional[Tuple[Dict[str, Any], Path]]:
+    """The newest readable checkpoint in ``ckpt_dir`` (last.pt, else periodic ones), or None
+    when there is none. An unreadable file is reported on stderr and skipped; when every file
+    is unreadable, CheckpointError names them."""
+    ckpt_dir = Path(ckpt_dir)
+    candidates = [p for p in [ckpt_dir / "last.pt"] if p.exists()] + periodic_checkpoints(ckpt_dir)
+    if not candidates:
+        return None
+    loaded, errors = [], []
+    for path in candidates:
+        try:
+            loaded.append((load_checkpoint(path, map_location), path))
+        except CheckpointError as err:
+            errors.append(str(err))
+            print(f"warning: {err}; trying an older checkpoint", file=sys.stderr)
+    if not loaded:
+        raise CheckpointError("no readable checkpoint in " + str(ckpt_dir) + ": " + "; ".join(errors))
+    return max(loaded, key=lambda item: item[0]["step"])

@@ -1,0 +1,260 @@
+"""Typed experiment configs: YAML in, validated dataclasses out, dotted overrides.
+
+    cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
+
+Every key is checked up front: an unknown key is an error naming the key and the
+nearest valid one; a wrong type or a value outside a key's choices names the key,
+what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the dotted key."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "fashion_ddcl"
+    dir: str = "runs/fashion_ddcl"          # where config.yaml, checkpoints/, tb/, metrics.jsonl go
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "fashion_mnist"             # fashion_mnist | mnist | cifar10 | image_folder | natural_patches
+    root: str = "data"                       # torchvision downloads / image_folder root (with train/ and test/)
+    image_size: int = 32                     # images are padded (28 -> 32) or resized/cropped to this
+    batch_size: int = 128                    # global batch (split evenly over processes)
+    download: bool = True                    # let torchvision download when the files are missing
+    patches_per_image: int = 2000            # natural_patches only
+    num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    channels: int = 64
+    num_res_blocks: int = 2
+    res_hidden: int = 32
+    num_downsamples: int = 2                 # 32x32 -> 8x8 latents
+    latent_dim: int = 64                     # D
+
+
+@dataclass
+class QuantizerConfig:
+    type: str = "ddcl"                       # ddcl | hard | ema | vqp
+    num_codes: int = 512                     # K
+    # ddcl
+    mode: str = "straight_through"
+    temperature: float = 0.01                # relative to D: softmax(-d / (temperature * D))
+    codebook_init: str = "uniform"
+    # ddcl, hard, ema
+    beta: float = 0.25                       # commitment weight
+    # hard
+    distance: str = "euclidean"
+    kmeans_init: bool = False
+    # ema
+    decay: float = 0.99
+    dead_code_threshold: float = 0.0
+    # vqp: keyword arguments passed to vector_quantize_pytorch.VectorQuantize as they are
+    vqp: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 2e-3                         # encoder/decoder learning rate (AdamW)
+    codebook_lr_ratio: float = 1.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
+    temperature_schedule: str = "constant"   # constant | cosine | exponential (DDCL only)
+    temperature_final: Optional[float] = None
+    quantizer_loss_weight: float = 1.0
+    grad_clip: float = 1.0                   # max global grad norm; 0 = off
+    amp: str = "none"                        # none | bf16 | fp16 (autocast; the quantizer stays float32)
+    log_every: int = 25
+    checkpoint_every: int = 250
+    image_every: int = 500
+    usage_window: int = 100                  # steps per windowed utilization / dead-code figure
+    eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
+    device: str = "auto"                     # auto | cpu | cuda
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "Config":
+        cfg = cls()
+        _apply(cfg, raw or {}, prefix="")
+        validate(cfg)
+        return cfg
+
+
+CHOICES = {
+    "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches"),
+    "quantizer.type": ("ddcl", "hard", "ema", "vqp"),
+    "quantizer.mode": ("soft", "straight_through", "soft_straight_through"),
+    "quantizer.codebook_init": ("uniform", "normal", "kmeans"),
+    "quantizer.distance": ("euclidean", "cosine"),
+    "train.lr_schedule": ("constant", "cosine"),
+    "train.temperature_schedule": ("constant", "cosine", "exponential"),
+    "train.amp": ("none", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+}
+POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels",
+            "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
+            "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
+            "train.checkpoint_every", "train.image_every", "train.usage_window", "quantizer.decay"}
+NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
+                "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _nearest(key: str) -> str:
+    keys = all_keys()
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
+    leaf = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in keys], n=1, cutoff=0.6)
+    if leaf:
+        match = [k for k in keys if k.endswith("." + leaf[0])][:1] or match
+    return match[0] if match else "?"
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(annotation)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif origin is dict or annotation is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - schema uses only the types above
+        return value
+    name = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"config key {key!r}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def _apply(obj: Any, raw: Dict[str, Any], prefix: str) -> None:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for name, value in raw.items():
+        key = prefix + str(name)
+        if name not in names:
+            raise ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, key + ".")
+        else:
+            setattr(obj, name, _coerce(key, value, hints[name]))
+
+
+def validate(cfg: Config) -> None:
+    for key in all_keys():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"config key {key!r}: expected one of {list(CHOICES[key])}, got {value!r}")
+        if key in POSITIVE and not value > 0:
+            raise ConfigError(f"config key {key!r}: expected a value > 0, got {value!r}")
+        if key in NON_NEGATIVE and not value >= 0:
+            raise ConfigError(f"config key {key!r}: expected a value >= 0, got {value!r}")
+    if not cfg.quantizer.decay < 1:
+        raise ConfigError(f"config key 'quantizer.decay': expected a value < 1, got {cfg.quantizer.decay!r}")
+    tf = cfg.train.temperature_final
+    if cfg.train.temperature_schedule != "constant" and (tf is None or not tf > 0):
+        raise ConfigError("config key 'train.temperature_final': expected a value > 0 when "
+                          f"train.temperature_schedule is {cfg.train.temperature_schedule!r}, got {tf!r}")
+    if cfg.quantizer.type != "vqp" and cfg.quantizer.vqp:
+        raise ConfigError(f"config key 'quantizer.vqp': only used with quantizer.type 'vqp', got type "
+                          f"{cfg.quantizer.type!r}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"expected an override of the form dotted.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    valid = set(all_keys())
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        is_vqp_kwarg = len(parts) == 3 and parts[:2] == ["quantizer", "vqp"]
+        if key not in valid and not is_vqp_kwarg:
+            raise ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> Config:
+    raw: Dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    return Config.from_dict(apply_overrides(raw, overrides))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

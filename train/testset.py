@@ -1,0 +1,73 @@
+"""One pass over a dataset split: hard-code (and soft-code) reconstruction error and
+dataset-level codebook usage. Distributed-aware: each process takes a disjoint share of
+the images, sums are all-reduced, so the result equals a single-process pass."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ddcl_vq import CodebookUsage, DDCLQuantizer
+from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
+from models import VQVAE
+
+
+def shard(dataset: Dataset, max_images: int = 0) -> tuple[Subset, int]:
+    """The first ``max_images`` images (all when 0), strided over processes."""
+    n = len(dataset) if not max_images else min(max_images, len(dataset))
+    return Subset(dataset, list(range(rank(), n, world_size()))), n
+
+
+@torch.no_grad()
+def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, device="cpu",
+                        max_images: int = 0, on_batch=None, progress: bool = False) -> Dict:
+    """-> {"num_images", "hard": {"mse", "psnr"}, "soft": {...} or None, "usage": UsageStats}.
+
+    MSE = mean over images and pixels; PSNR = mean over images of 10·log10(1 / MSE_image)
+    (images in [0, 1]; a perfect image's MSE is floored at 1e-10). ``on_batch(x, hard, soft)``
+    lets callers add metrics on the same pass.
+    """
+    was_training = model.training
+    model.eval()
+    part, n = shard(dataset, max_images)
+    loader = DataLoader(part, batch_size=batch_size, shuffle=False)
+    is_ddcl = isinstance(model.quantizer, DDCLQuantizer)
+    usage = CodebookUsage(model.quantizer.num_codes, device=device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
+    iterator = loader
+    if progress and rank() == 0:
+        from tqdm import tqdm
+        iterator = tqdm(loader, desc="evaluate", unit="batch", leave=False)
+    for x, _ in iterator:
+        x = x.to(device)
+        z = model.encoder(x)
+        q = model.quantizer(z)
+        usage.update(q.indices, q.soft_counts)
+        hard = model.decoder(model.quantizer.lookup(q.indices)).float().clamp(0, 1)
+        mse_img = (hard - x).pow(2).flatten(1).mean(1).double()
+        sums[0] += mse_img.sum()
+        sums[1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
+        soft = None
+        if is_ddcl:
+            soft = model.decoder(model.quantizer.soft_codes(z)).float().clamp(0, 1)
+            mse_soft = (soft - x).pow(2).flatten(1).mean(1).double()
+            sums[2] += mse_soft.sum()
+            sums[3] += (10 * torch.log10(1.0 / mse_soft.clamp_min(1e-10))).sum()
+        sums[4] += x.shape[0]
+        if on_batch is not None:
+            on_batch(x, hard, soft)
+    all_reduce_sum_(sums)
+    model.train(was_training)
+    count = float(sums[4])
+    if count != n:  # pragma: no cover - guards the sharding arithmetic
+        raise RuntimeError(f"evaluation covered {count:.0f} images, expected {n}")
+    hard_metrics = {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count}
+    soft_metrics: Optional[Dict] = ({"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count}
+                                    if is_ddcl else None)
+    return {"num_images": int(count), "hard": hard_metrics, "soft": soft_metrics, "usage": usage.compute()}
+
+
+def psnr_from_mse(mse: float) -> float:
+    return 10 * math.log10(1.0 / max(mse, 1e-10))
