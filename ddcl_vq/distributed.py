@@ -50,3 +50,20 @@ def gather_rows(x: Tensor, rows_per_rank: int, generator: torch.Generator | None
     parts = [torch.empty_like(sample) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, sample)
     return torch.cat(parts, 0)
+
+
+@torch.no_grad()
+def replicas_identical(module: torch.nn.Module) -> bool:
+    """True when every floating parameter and buffer of ``module`` is bit-identical on all
+    processes (always True in a single process). Every process must call it."""
+    if not is_distributed():
+        return True
+    tensors = [t.detach().reshape(-1).double() for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point()]
+    if not tensors:
+        return True
+    flat = torch.cat(tensors)
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(high, low))

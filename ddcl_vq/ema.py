@@ -47,6 +47,12 @@ class EMAVQ(Quantizer):
 
     @torch.no_grad()
     def _update(self, x: Tensor, indices: Tensor) -> None:
+        if not getattr(self, "_synced", False):
+            # Start every process from rank 0's codebook (DDP with broadcast_buffers=False does
+            # not copy buffers); afterwards the all-reduced statistics keep them identical.
+            for buf in (self.embed, self.embed_sum, self.cluster_size):
+                broadcast_(buf)
+            self._synced = True
         counts = torch.bincount(indices, minlength=self.num_codes).to(self.cluster_size.dtype)
         sums = torch.zeros_like(self.embed_sum).index_add_(0, indices, x.to(self.embed_sum.dtype))
         all_reduce_sum_(counts)
@@ -62,8 +68,9 @@ class EMAVQ(Quantizer):
     @torch.no_grad()
     def restart_dead_codes(self, x: Tensor) -> int:
         """Replace codes with EMA count < threshold by batch vectors; returns how many."""
-        dead = self.cluster_size < self.dead_code_threshold
-        broadcast_(dead)  # identical on every rank already; keeps ranks in lock-step if not
+        dead_flags = (self.cluster_size < self.dead_code_threshold).to(torch.uint8)
+        broadcast_(dead_flags)  # identical on every rank already (statistics are all-reduced)
+        dead = dead_flags.bool()
         num_dead = int(dead.sum())
         if num_dead == 0:
             return 0

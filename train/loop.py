@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ddcl_vq import CodebookUsage, DDCLQuantizer, USAGE_DEFINITIONS
+from ddcl_vq.distributed import replicas_identical
 
 from .builders import build_model, build_optimizer, lr_lambda, temperature_at
 from .checkpoint import latest_checkpoint, prune_periodic, save_checkpoint
@@ -105,8 +106,10 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
 
     ddp_model = model
     if world > 1:
+        # broadcast_buffers=False: quantizer statistics are all-reduced by the quantizers
+        # themselves, and replicas_identical() checks that at every checkpoint.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
     batches = EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed, rank, world, start_step=step)
     loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.data.num_workers,
@@ -134,6 +137,9 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
         progress = tqdm(total=cfg.train.steps, initial=step, desc=cfg.run.name, unit="step", dynamic_ncols=True)
 
     def checkpoint(periodic: bool) -> None:
+        if world > 1 and not replicas_identical(model):
+            raise RuntimeError(f"step {step}: model replicas differ across processes; the codebook is no "
+                               "longer one codebook (a quantizer update that is not synchronised?)")
         if not is_main:
             return
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

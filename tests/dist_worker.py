@@ -1,0 +1,53 @@
+"""Launched by torchrun from tests/test_distributed.py: k DDP steps per quantizer on real
+Fashion-MNIST, then each rank saves its state and its usage counts for the test to compare."""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from ddcl_vq import CodebookUsage
+from train.builders import build_model, build_optimizer
+from train.config import load_config
+from train.data import EpochBatches, build_dataset
+
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=64", "data.batch_size=32"]
+
+
+def main(out_dir: str, steps: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(out_dir)
+    for qtype, extra in [("ddcl", ["quantizer.codebook_init=kmeans"]), ("hard", ["quantizer.kmeans_init=true"]),
+                         ("ema", ["quantizer.dead_code_threshold=0.9", "quantizer.decay=0.8"])]:
+        cfg = load_config(None, TINY + [f"quantizer.type={qtype}", "train.codebook_lr_ratio=2"] + extra)
+        torch.manual_seed(rank + 1)  # different init on each rank: DDP must make them one model
+        model = build_model(cfg, 1)
+        ddp = DistributedDataParallel(model, broadcast_buffers=False)
+        opt = build_optimizer(model, cfg.train, qtype)
+        data = build_dataset(cfg.data, "train")
+        batches = iter(EpochBatches(len(data), cfg.data.batch_size, 0, rank, world))
+        for _ in range(steps):
+            x = torch.stack([data[i][0] for i in next(batches)])
+            o = ddp(x)
+            loss = F.mse_loss(o.reconstruction, x) + o.quantizer.loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        test = build_dataset(cfg.data, "test")
+        usage = CodebookUsage(model.quantizer.num_codes)
+        with torch.no_grad():
+            x = torch.stack([test[i][0] for i in range(rank, 64, world)])  # disjoint shares of 64 images
+            usage.update(model(x).quantizer.indices)
+        stats = usage.compute()
+        torch.save({"state": model.state_dict(), "counts": torch.tensor(stats.counts)},
+                   out / f"{qtype}_rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

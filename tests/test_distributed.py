@@ -1,0 +1,86 @@
+"""Two processes (gloo, CPU, real Fashion-MNIST) launched with the real torchrun."""
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddcl_vq import CodebookUsage
+from train.builders import build_model
+from train.checkpoint import load_checkpoint
+from train.config import load_config
+from train.data import build_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    torchrun(str(ROOT / "tests" / "dist_worker.py"), str(out), "3")
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["ddcl", "hard", "ema"])
+def test_all_parameters_and_codebooks_identical_on_both_ranks(worker_results, qtype):
+    a = torch.load(worker_results / f"{qtype}_rank0.pt", weights_only=True)["state"]
+    b = torch.load(worker_results / f"{qtype}_rank1.pt", weights_only=True)["state"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{qtype}: {key} differs across ranks"
+    if qtype == "ema":
+        assert int(a["quantizer.restarts"]) > 0  # dead-code restarts happened, identically
+    assert bool(a.get("quantizer.initialized", torch.tensor(True)))
+
+
+@pytest.mark.parametrize("qtype", ["ddcl", "hard", "ema"])
+def test_usage_counts_summed_across_ranks_equal_single_process(worker_results, qtype):
+    saved = torch.load(worker_results / f"{qtype}_rank0.pt", weights_only=True)
+    other = torch.load(worker_results / f"{qtype}_rank1.pt", weights_only=True)
+    assert torch.equal(saved["counts"], other["counts"])  # every rank reports the global counts
+    cfg = load_config(None, ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1",
+                             "model.latent_dim=8", "quantizer.num_codes=64", f"quantizer.type={qtype}"])
+    model = build_model(cfg, 1)
+    model.load_state_dict(saved["state"])
+    model.eval()
+    test = build_dataset(cfg.data, "test")
+    usage = CodebookUsage(64)
+    with torch.no_grad():
+        usage.update(model(torch.stack([test[i][0] for i in range(64)])).quantizer.indices)
+    assert torch.equal(torch.tensor(usage.compute().counts), saved["counts"])
+    assert int(saved["counts"].sum()) == 64 * 8 * 8
+
+
+def test_torchrun_training_writes_once_and_resumes(tmp_path):
+    run = tmp_path / "ddp"
+    common = ["-m", "train", "--config", "configs/fashion_ddcl.yaml", "--quiet", f"run.dir={run}",
+              "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+              "quantizer.num_codes=32", "data.batch_size=32", "train.log_every=2", "train.checkpoint_every=4",
+              "train.eval_images=128", "train.codebook_lr_ratio=2"]
+    torchrun(*common, "train.steps=4")
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.pt", "step_0000004.pt"]
+    torchrun(*common, "train.steps=8")
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 8
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_images"] == 128 and sum([summary["codebook"]["active_codes"]]) > 0
