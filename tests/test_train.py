@@ -169,3 +169,9 @@ def test_rho_warning_for_ddcl(tiny_config):
         build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
     opt = build_optimizer(build_model(cfg, 1), tiny_config("train.codebook_lr_ratio=4").train, "ddcl")
     assert opt.param_groups[1]["lr"] == pytest.approx(4 * opt.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("study_")))
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.run.dir.startswith("runs/")
