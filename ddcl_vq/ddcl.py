@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .base import (QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten,
                    squared_distances, unflatten)
+from .fused import IMPLEMENTATIONS, ddcl_assign
 from .kmeans import kmeans_init_
 
 MODES = ("soft", "straight_through", "soft_straight_through")
@@ -91,13 +92,24 @@ class DDCLQuantizer(Quantizer):
         codebook_init: ``"uniform"`` U(−1/K, 1/K) as in the VQ-VAE paper, ``"normal"`` N(0, 1),
             or ``"kmeans"`` (k-means on the first training batch, identical on every process).
         channel_dim: 1 for (B, D, *spatial) inputs, −1 for (..., D).
+        implementation: how the assignment is computed (same values and gradients, to float
+            rounding) — ``"reference"``: plain autograd (:func:`soft_assignment`), several N×K
+            tensors kept for backward; ``"fused"``: blocked forward and an analytic backward
+            (:mod:`ddcl_vq.fused`), one N×K tensor kept (none in ``straight_through`` mode);
+            ``"chunked"``: like fused but recomputes per block in backward, extra memory
+            O(chunk_size·K); ``"auto"`` (default): fused, or chunked when the N×K tensor fused
+            would keep exceeds ``chunk_threshold_bytes``.
+        chunk_size: rows per block for fused/chunked (default: about 2**18 / K rows).
+        chunk_threshold_bytes: the ``"auto"`` switch point (default 256 MiB).
 
     Shapes: ``forward(z)`` with z (B, D, H, W) returns quantized (B, D, H, W) and indices (B, H, W).
     """
 
     def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.01,
                  mode: str = "straight_through", beta: float = 0.25,
-                 codebook_init: str = "uniform", channel_dim: int = 1):
+                 codebook_init: str = "uniform", channel_dim: int = 1,
+                 implementation: str = "auto", chunk_size: Optional[int] = None,
+                 chunk_threshold_bytes: int = 256 * 2 ** 20):
         super().__init__(num_codes, dim, channel_dim)
         if mode not in MODES:
             raise ValueError(f"expected mode in {MODES}, got {mode!r}")
@@ -105,6 +117,16 @@ class DDCLQuantizer(Quantizer):
             raise ValueError(f"expected codebook_init in {INITS}, got {codebook_init!r}")
         if not beta >= 0:
             raise ValueError(f"expected beta >= 0, got {beta!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"expected implementation in {IMPLEMENTATIONS}, got {implementation!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                       or chunk_size <= 0):
+            raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+        if not chunk_threshold_bytes >= 0:
+            raise ValueError(f"expected chunk_threshold_bytes >= 0, got {chunk_threshold_bytes!r}")
+        self.implementation = implementation
+        self.chunk_size = chunk_size
+        self.chunk_threshold_bytes = int(chunk_threshold_bytes)
         self.mode = mode
         self.beta = float(beta)
         self.codebook_init = codebook_init
@@ -131,8 +153,26 @@ class DDCLQuantizer(Quantizer):
         return self.weight
 
     def assign(self, flat: Tensor, codebook: Tensor) -> SoftAssignment:
-        """(N, D), (K, D) -> :class:`SoftAssignment` at the current temperature."""
+        """(N, D), (K, D) -> :class:`SoftAssignment` at the current temperature (reference path)."""
         return soft_assignment(flat, codebook, self.temperature * self.dim)
+
+    def resolve_implementation(self, num_vectors: int, dtype: torch.dtype = torch.float32) -> str:
+        """The path ``forward`` takes for a batch of ``num_vectors`` vectors."""
+        if self.implementation != "auto":
+            return self.implementation
+        itemsize = torch.finfo(dtype).bits // 8
+        return "chunked" if num_vectors * self.num_codes * itemsize > self.chunk_threshold_bytes else "fused"
+
+    def _assign(self, x: Tensor, w: Tensor, codebook_only: bool):
+        """-> (soft, indices, distortion, ols, variance, soft_counts) by the configured path."""
+        impl = self.resolve_implementation(x.shape[0], x.dtype)
+        scale = self.temperature * self.dim
+        if impl == "reference":
+            a = soft_assignment(x.detach() if codebook_only else x, w, scale)
+            return a.soft, a.indices, a.distortion, a.ols, a.variance, a.q.detach().sum(0)
+        f = ddcl_assign(x, w, scale, codebook_only=codebook_only, implementation=impl,
+                        chunk_size=self.chunk_size)
+        return f.soft, f.indices, f.distortion, f.ols, f.variance, f.soft_counts
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
@@ -145,33 +185,36 @@ class DDCLQuantizer(Quantizer):
             w = self.weight.to(dtype)
             terms = {}
             if self.mode == "straight_through":
-                a = self.assign(x.detach(), w)
-                hard = w.detach()[a.indices]
+                # assignment on sg(z): only the codebook learns from the distortion
+                soft, idx, distortion, ols, variance, counts = self._assign(x, w, codebook_only=True)
+                hard = w.detach()[idx]
                 out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
                 commitment = (x - hard).pow(2).sum(1).mean()
-                loss = (a.distortion + self.beta * commitment) / self.dim
+                loss = (distortion + self.beta * commitment) / self.dim
                 terms["commitment"] = commitment.detach()
             else:
-                a = self.assign(x, w)
+                soft, idx, distortion, ols, variance, counts = self._assign(x, w, codebook_only=False)
                 if self.mode == "soft":
-                    out = a.soft
+                    out = soft
                 else:
-                    out = w.detach()[a.indices] + (a.soft - a.soft.detach())
-                loss = a.distortion / self.dim
-            terms.update(distortion=a.distortion.detach(), ols=a.ols.detach(), variance=a.variance.detach())
+                    out = w.detach()[idx] + (soft - soft.detach())
+                loss = distortion / self.dim
+            terms.update(distortion=distortion.detach(), ols=ols.detach(), variance=variance.detach())
         quantized = unflatten(out.to(z.dtype), last_shape, self.channel_dim)
-        indices = unflatten(a.indices, last_shape, self.channel_dim)
+        indices = unflatten(idx, last_shape, self.channel_dim)
         return QuantizerOutput(quantized=quantized, indices=indices, loss=loss, terms=terms,
-                               perplexity=batch_perplexity(a.indices, self.num_codes),
-                               soft_counts=a.q.detach().sum(0))
+                               perplexity=batch_perplexity(idx, self.num_codes),
+                               soft_counts=counts)
 
     def soft_codes(self, z: Tensor) -> Tensor:
         """The soft codes ẑ in the input layout, whatever the mode (for soft-code evaluation)."""
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
         with torch.autocast(device_type=z.device.type, enabled=False):
-            a = self.assign(flat.to(compute_dtype(z)), self.weight.to(compute_dtype(z)))
-        return unflatten(a.soft.to(z.dtype), last_shape, self.channel_dim)
+            soft = self._assign(flat.to(compute_dtype(z)), self.weight.to(compute_dtype(z)),
+                                codebook_only=False)[0]
+        return unflatten(soft.to(z.dtype), last_shape, self.channel_dim)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", mode={self.mode!r}, temperature={self.temperature:g}, "
-                f"beta={self.beta:g}, codebook_init={self.codebook_init!r}")
+                f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
+                f"implementation={self.implementation!r}")
