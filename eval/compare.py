@@ -1,0 +1,368 @@
+"""``ddcl-vq compare RUN_DIR ... --out DIR``: one table and a few plots over several runs.
+
+Every run is evaluated first when RUN_DIR/eval.json is missing, older than the checkpoint,
+or was made on another split / number of images than asked for. Writes into DIR:
+
+  table.md  table.csv  table.json       one row per run (columns defined in COLUMN_DEFINITIONS)
+  usage_histograms.png                  sorted per-code usage counts, log scale, one panel per run
+  usage_over_training.png               windowed utilization and perplexity from metrics.jsonl
+  psnr_vs_utilization.png               hard-code PSNR against utilization
+  reconstructions.png                   the same test images decoded from each run's hard codes
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .evaluate import EvaluateError, evaluate_run, load_run
+from .metrics import definitions
+
+COLUMNS = [  # (key, header, format)
+    ("name", "run", "s"), ("type", "quantizer", "s"), ("num_codes", "K", "d"), ("settings", "settings", "s"),
+    ("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_mse", "MSE hard", ".5f"), ("hard_ssim", "SSIM hard", ".4f"),
+    ("hard_lpips", "LPIPS hard", ".4f"), ("soft_psnr", "PSNR soft (dB)", ".2f"),
+    ("soft_minus_hard_psnr", "soft−hard PSNR", "+.2f"), ("utilization", "utilization", ".1%"),
+    ("dead_codes", "dead codes", "d"), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
+    ("train_seconds", "train time (s)", ".0f"),
+]
+
+COLUMN_DEFINITIONS = """\
+settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to D; a -> b when
+                  annealed, with the schedule), codebook/encoder learning-rate ratio rho; EMA decay and
+                  dead-code threshold; vector-quantize-pytorch keyword arguments ({} = its defaults)
+PSNR/MSE/SSIM/LPIPS hard = decoded from hard codes on the evaluated split (see definitions below)
+PSNR soft, soft−hard    = DDCL only: decoded from soft codes, and soft minus hard
+utilization, dead codes, perplexity = dataset level, hard indices, on the evaluated split
+steps           = training steps of the evaluated checkpoint
+train time (s)  = wall-clock seconds of training logged in metrics.jsonl, summed over sessions
+                  (shared machines: depends on the load, not only on the quantizer)"""
+
+
+# --------------------------------------------------------------------------- evaluation freshness
+
+def needs_eval(run_dir: Path, split: str, max_images: int) -> bool:
+    ev_path = run_dir / "eval.json"
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    if not ev_path.is_file():
+        return True
+    if ckpt.is_file() and ev_path.stat().st_mtime < ckpt.stat().st_mtime:
+        return True
+    try:
+        ev = json.loads(ev_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return True
+    return ev.get("split") != split or ev.get("max_images") != max_images
+
+
+def ensure_eval(run_dir: Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
+                progress: bool = False) -> Dict:
+    run_dir = Path(run_dir)
+    if needs_eval(run_dir, split, max_images):
+        return evaluate_run(run_dir, split, max_images, batch_size, progress=progress)
+    return json.loads((run_dir / "eval.json").read_text())
+
+
+# --------------------------------------------------------------------------- run facts
+
+def read_metrics(run_dir: Path) -> List[Dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+    # a resumed run appends again from the checkpoint's step: keep the last record per step
+    by_step = {}
+    for r in records:
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def train_seconds(run_dir: Path) -> Optional[float]:
+    """Sum over training sessions of the last logged 'time' (it restarts at 0 each session)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    total, last = 0.0, None
+    for line in path.read_text().splitlines():
+        try:
+            t = float(json.loads(line)["time"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if last is not None and t < last:
+            total += last
+        last = t
+    return total + (last or 0.0) if last is not None else None
+
+
+def settings_text(cfg) -> str:
+    q, t = cfg.quantizer, cfg.train
+    if q.type == "ddcl":
+        tau = f"τ={q.temperature:g}"
+        if t.temperature_schedule != "constant":
+            tau = f"τ={q.temperature:g}→{t.temperature_final:g} ({t.temperature_schedule})"
+        return f"{q.mode}, {tau}, ρ={t.codebook_lr_ratio:g}"
+    if q.type == "hard":
+        extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
+        return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
+    if q.type == "ema":
+        return f"decay={q.decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
+            else f"decay={q.decay:g}, no restart"
+    if q.type == "vqp":
+        return "defaults" if not q.vqp else ", ".join(f"{k}={v}" for k, v in q.vqp.items())
+    return ""
+
+
+def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
+    from train.config import load_config
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    hard, soft, gap = ev["recon"]["hard"], ev["recon"]["soft"], ev["recon"]["soft_minus_hard"]
+    c = ev["codebook"]
+    return {
+        "name": name, "run": str(run_dir), "type": ev["quantizer"]["type"], "num_codes": ev["quantizer"]["num_codes"],
+        "mode": cfg.quantizer.mode if cfg.quantizer.type == "ddcl" else None,
+        "temperature": cfg.quantizer.temperature if cfg.quantizer.type == "ddcl" else None,
+        "temperature_schedule": cfg.train.temperature_schedule if cfg.quantizer.type == "ddcl" else None,
+        "temperature_final": cfg.train.temperature_final if cfg.quantizer.type == "ddcl" else None,
+        "codebook_lr_ratio": cfg.train.codebook_lr_ratio,
+        "settings": settings_text(cfg),
+        "hard_psnr": hard["psnr"], "hard_mse": hard["mse"], "hard_ssim": hard["ssim"], "hard_lpips": hard["lpips"],
+        "soft_psnr": soft["psnr"] if soft else None, "soft_minus_hard_psnr": gap["psnr"] if gap else None,
+        "utilization": c["utilization"], "active_codes": c["active_codes"], "dead_codes": c["dead_codes"],
+        "perplexity": c["perplexity"], "soft_perplexity": c["soft_perplexity"], "steps": ev["step"],
+        "train_seconds": train_seconds(run_dir), "split": ev["split"], "num_images": ev["num_images"],
+    }
+
+
+def _cell(value, spec: str) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def markdown_table(rows: Sequence[Dict]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def unique_names(run_dirs: Sequence[Path]) -> List[str]:
+    from train.config import load_config
+    names = []
+    for d in run_dirs:
+        try:
+            names.append(load_config(Path(d) / "config.yaml").run.name)
+        except Exception:  # noqa: BLE001 - fall back to the folder name
+            names.append(Path(d).name)
+    if len(set(names)) < len(names):
+        names = [Path(d).name for d in run_dirs]
+    if len(set(names)) < len(names):
+        names = [str(d) for d in run_dirs]
+    return names
+
+
+# --------------------------------------------------------------------------- plots
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _grid(n: int, max_cols: int = 6):
+    cols = min(n, max_cols)
+    return -(-n // cols), cols
+
+
+def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Path) -> None:
+    plt = _plt()
+    rows, cols = _grid(len(evals))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.4 * rows), squeeze=False)
+    for ax in axes.flat[len(evals):]:
+        ax.axis("off")
+    for ax, ev, name in zip(axes.flat, evals, names):
+        counts = sorted(ev["usage_counts"], reverse=True)
+        k = len(counts)
+        ax.bar(range(k), [max(c, 0.8) for c in counts], width=1.0, color="tab:blue", linewidth=0)
+        ax.set_yscale("log")
+        ax.set_ylim(0.8, max(counts + [1]) * 1.5)
+        ax.set_xlim(0, k)
+        c = ev["codebook"]
+        ax.set_title(f"{name}\n{c['active_codes']}/{k} used, ppl {c['perplexity']:.0f}", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.set_xlabel("code rank", fontsize=6)
+    fig.suptitle("Sorted code usage on the evaluated split (hard indices; dead codes have no bar)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_usage_over_training(metrics: Sequence[List[Dict]], names: Sequence[str], path: Path) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cmap = plt.get_cmap("tab20")
+    for i, (records, name) in enumerate(zip(metrics, names)):
+        pts = [(r["step"], r["utilization_window"], r["perplexity_window"]) for r in records
+               if r.get("utilization_window") is not None]
+        if not pts:
+            continue
+        steps, util, ppl = zip(*pts)
+        style = dict(color=cmap(i % 20), lw=1.2, ls=["-", "--", ":"][(i // 20) % 3], label=name)
+        a1.plot(steps, util, **style)
+        a2.plot(steps, ppl, **style)
+    a1.set_ylabel("utilization (window)")
+    a1.set_ylim(0, 1.02)
+    a2.set_ylabel("perplexity (window)")
+    a2.set_yscale("log")
+    for ax in (a1, a2):
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    a2.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Codebook usage during training (train.usage_window steps of hard indices per point)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    markers = {"ddcl": "o", "hard": "s", "ema": "^", "vqp": "D"}
+    for r in rows:
+        ax.scatter(r["utilization"], r["hard_psnr"], marker=markers.get(r["type"], "x"), s=36)
+        ax.annotate(r["name"], (r["utilization"], r["hard_psnr"]), fontsize=6, xytext=(3, 2),
+                    textcoords="offset points")
+    ax.set_xlabel("utilization (dataset level)")
+    ax.set_ylabel("PSNR, hard codes (dB)")
+    ax.set_xlim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=t) for t, m in markers.items()
+               if any(r["type"] == t for r in rows)]
+    ax.legend(handles=handles, fontsize=7)
+    ax.set_title("Reconstruction (hard codes) vs codebook utilization", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: Path, split: str = "test",
+                         num_images: int = 8) -> None:
+    from train.data import build_dataset
+    plt = _plt()
+    recons, originals = [], None
+    for d in run_dirs:
+        cfg, model, _, _ = load_run(d, device="cpu")
+        if originals is None:
+            ds = build_dataset(cfg.data, split, cfg.run.seed)
+            originals = torch.stack([ds[i][0] for i in range(min(num_images, len(ds)))])
+        recons.append(model.reconstruct(originals, "hard").clamp(0, 1))
+    rows = [("original", originals)] + list(zip(names, recons))
+    n = originals.shape[0]
+    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.9 * len(rows)), squeeze=False)
+    for i, (label, images) in enumerate(rows):
+        for j in range(n):
+            ax = axes[i, j]
+            img = images[j].permute(1, 2, 0).numpy()
+            ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None,
+                      vmin=0, vmax=1)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[i, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=6)
+    fig.suptitle(f"First {n} {split} images, decoded from hard codes", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- compare
+
+def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
+            batch_size: int = 256, names: Optional[Sequence[str]] = None, grid_images: int = 8,
+            progress: bool = False, command: Optional[str] = None) -> List[Dict]:
+    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``."""
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise EvaluateError("expected at least one run directory to compare")
+    for d in run_dirs:
+        if not d.is_dir():
+            raise EvaluateError(f"run directory {str(d)!r} does not exist")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(names) if names is not None else unique_names(run_dirs)
+    evals = [ensure_eval(d, split, max_images, batch_size, progress) for d in run_dirs]
+    rows = [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names)]
+
+    (out / "table.md").write_text(markdown_table(rows) + "\n\n" + table_footer(evals, command) + "\n")
+    with open(out / "table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "table.json").write_text(json.dumps({"rows": rows, "command": command, "split": split,
+                                                "max_images": max_images, "definitions": definitions(),
+                                                "column_definitions": COLUMN_DEFINITIONS}, indent=2) + "\n")
+    plot_usage_histograms(evals, names, out / "usage_histograms.png")
+    plot_usage_over_training([read_metrics(d) for d in run_dirs], names, out / "usage_over_training.png")
+    plot_psnr_vs_utilization(rows, out / "psnr_vs_utilization.png")
+    plot_reconstructions(run_dirs, names, out / "reconstructions.png", split, grid_images)
+    return rows
+
+
+def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
+    images = sorted({ev["num_images"] for ev in evals})
+    lpips_notes = sorted({ev["lpips_note"] for ev in evals})
+    rfid_notes = sorted({ev["rfid_note"] for ev in evals})
+    lines = [f"Evaluated on the {evals[0]['dataset']} {evals[0]['split']} split, "
+             f"{'/'.join(map(str, images))} images per run."]
+    if command:
+        lines.append(f"Command: `{command}`")
+    lines += [f"LPIPS: {n}" for n in lpips_notes] + [f"rFID: {n}" for n in rfid_notes]
+    lines += ["", "Columns:", "```", COLUMN_DEFINITIONS, "```", "", "Definitions:", "```", definitions(), "```"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddcl-vq compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", required=True, help="output directory for tables and plots")
+    parser.add_argument("--split", default="test", choices=["train", "test"])
+    parser.add_argument("--max-images", type=int, default=0, help="images per evaluation (0 = whole split)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--grid-images", type=int, default=8, help="test images in reconstructions.png")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    from train.checkpoint import CheckpointError
+    from train.config import ConfigError
+    from train.data import DataUnavailable
+    command = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
+    try:
+        rows = compare(args.run_dirs, args.out, args.split, args.max_images, args.batch_size,
+                       grid_images=args.grid_images, progress=not args.quiet, command=command)
+    except (EvaluateError, ConfigError, CheckpointError, DataUnavailable) as err:
+        print(f"ddcl-vq compare: error: {err}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(markdown_table(rows))
+        print(f"\nwrote table.md, table.csv, table.json and 4 plots to {args.out}")
+        print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

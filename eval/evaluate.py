@@ -1,0 +1,222 @@
+"""``ddcl-vq evaluate RUN_DIR``: one pass over a dataset split -> RUN_DIR/eval.json + a table.
+
+Loads RUN_DIR/config.yaml and the newest checkpoint (checkpoints/last.pt, weights_only),
+runs train.testset.reconstruction_pass with SSIM and LPIPS added on the same batches, and
+writes eval.json (rank 0 only). Under torchrun every process takes a disjoint share of the
+images and every metric is a float64 sum all-reduced before dividing, so the numbers equal
+a single-process pass up to float summation order.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import shlex
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ddcl_vq import DDCLQuantizer
+
+from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
+
+HELP = """\
+Evaluate a run directory written by `ddcl-vq train` on a dataset split and write
+RUN_DIR/eval.json (reconstruction on hard codes, and soft codes for DDCL; SSIM, LPIPS;
+dataset-level codebook usage and geometry). Dotted overrides change the run's config for
+the evaluation only (e.g. data.root=/path, train.device=cpu).
+
+  ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
+  torchrun --nproc_per_node 2 -m eval.evaluate runs/fashion_ddcl
+"""
+
+
+class EvaluateError(RuntimeError):
+    """The run directory cannot be evaluated (missing dir, config or checkpoint)."""
+
+
+def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.device | str = "cpu"):
+    """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path).
+
+    For DDCL the temperature is set to the schedule's value at the checkpoint's step (τ is not
+    part of the weights), i.e. the final temperature for a finished run.
+    """
+    from train.builders import build_model, temperature_at
+    from train.checkpoint import latest_checkpoint
+    from train.config import load_config
+    from train.data import image_channels
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
+    if not (run_dir / "config.yaml").is_file():
+        raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu") if (run_dir / "checkpoints").is_dir() else None
+    if found is None:
+        raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
+                            f"{str(run_dir / 'checkpoints' / 'last.pt')!r}); train it first")
+    state, path = found
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ρ ≤ 1 training warnings are irrelevant here
+        model = build_model(cfg, image_channels(cfg.data))
+    model.load_state_dict(state["model"])
+    step = int(state["step"])
+    if isinstance(model.quantizer, DDCLQuantizer):
+        model.quantizer.temperature = temperature_at(step, cfg.quantizer.temperature, cfg.train)
+    return cfg, model.to(device).eval(), step, path
+
+
+def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
+    if soft is None:
+        return None
+    return {k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard}
+
+
+def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
+                 overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
+                 write: bool = True) -> Dict:
+    """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict."""
+    from train.data import build_dataset
+    from train.loop import setup_distributed
+    from train.testset import reconstruction_pass
+
+    from ddcl_vq.distributed import rank
+
+    run_dir = Path(run_dir)
+    # config first (clear errors before any process group starts)
+    cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
+    device = setup_distributed(cfg.train.device)["device"]
+    model = model.to(device)
+    dataset = build_dataset(cfg.data, split, cfg.run.seed)
+    lpips_model, lpips_note = build_lpips(device)
+    rfid_ok, rfid_note = rfid_availability()
+    sums = ImageMetricSums(lpips_model, device=device, rfid=rfid_ok)
+    result = reconstruction_pass(model, dataset, batch_size=batch_size, device=device, max_images=max_images,
+                                 on_batch=sums.update, progress=progress)
+    extra = sums.compute()
+    usage = result["usage"]
+    hard = {"mse": result["hard"]["mse"], "psnr": result["hard"]["psnr"], "ssim": extra["hard_ssim"],
+            "lpips": extra["hard_lpips"]}
+    soft = None
+    if result["soft"] is not None:
+        soft = {"mse": result["soft"]["mse"], "psnr": result["soft"]["psnr"], "ssim": extra["soft_ssim"],
+                "lpips": extra["soft_lpips"]}
+    q = model.quantizer
+    latent_positions = usage.num_vectors // max(result["num_images"], 1)
+    out = {
+        "run": str(run_dir),
+        "name": cfg.run.name,
+        "step": step,
+        "train_steps": cfg.train.steps,
+        "checkpoint": str(ckpt),
+        "dataset": cfg.data.name,
+        "split": split,
+        "num_images": result["num_images"],
+        "max_images": max_images,
+        "latent_positions_per_image": latent_positions,
+        "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim,
+                      **({"mode": q.mode, "temperature": q.temperature} if isinstance(q, DDCLQuantizer) else {})},
+        "recon": {"hard": hard, "soft": soft, "soft_minus_hard": _gap(soft, hard)},
+        "codebook": {"utilization": usage.utilization, "active_codes": usage.active_codes,
+                     "dead_codes": usage.dead_codes, "perplexity": usage.perplexity,
+                     "soft_perplexity": usage.soft_perplexity, "entropy_bits": usage.entropy_bits,
+                     "num_vectors": usage.num_vectors,
+                     **codebook_geometry(q.codebook, usage.counts)},
+        "usage_counts": usage.counts,
+        "lpips_note": lpips_note,
+        "rfid": extra["rfid"],
+        "rfid_note": rfid_note,
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command or f"ddcl-vq evaluate {shlex.quote(str(run_dir))} --split {split} "
+                              f"--max-images {max_images} --batch-size {batch_size}"
+                              + "".join(" " + shlex.quote(o) for o in overrides),
+        "definitions": definitions(),
+    }
+    if write and rank() == 0:
+        tmp = run_dir / ".eval.json.tmp"
+        tmp.write_text(json.dumps(out, indent=2) + "\n")
+        tmp.replace(run_dir / "eval.json")
+    return out
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return format(v, spec)
+
+
+def format_report(ev: Dict) -> str:
+    """The evaluate table and the definitions, as printed by the command."""
+    q = ev["quantizer"]
+    desc = f"{q['type']} K={q['num_codes']} D={q['dim']}"
+    if "mode" in q:
+        desc += f" mode={q['mode']} τ={q['temperature']:g}"
+    lines = [f"{ev['run']}  step {ev['step']}  {desc}",
+             f"{ev['dataset']} {ev['split']} split, {ev['num_images']} images "
+             f"({ev['latent_positions_per_image']} latent positions each)", "",
+             "| codes | MSE | PSNR (dB) | SSIM | LPIPS |", "|---|---|---|---|---|"]
+    rec = ev["recon"]
+    for name in ("hard", "soft", "soft_minus_hard"):
+        r = rec.get(name)
+        if r is None:
+            continue
+        sign = "+" if name == "soft_minus_hard" else ""
+        lines.append(f"| {name.replace('_', ' ')} | {_fmt(r['mse'], sign + '.5f')} | {_fmt(r['psnr'], sign + '.2f')} "
+                     f"| {_fmt(r['ssim'], sign + '.4f')} | {_fmt(r['lpips'], sign + '.4f')} |")
+    c = ev["codebook"]
+    lines += ["", "| utilization | active | dead | perplexity | soft perplexity | entropy (bits) |",
+              "|---|---|---|---|---|---|",
+              f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
+              f"| {_fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
+              f"code distances: min {_fmt(c['min_code_distance'], '.4g')}, mean {_fmt(c['mean_code_distance'], '.4g')} "
+              f"(all codes); min {_fmt(c['min_active_code_distance'], '.4g')}, mean "
+              f"{_fmt(c['mean_active_code_distance'], '.4g')} (active codes)",
+              f"lpips: {ev['lpips_note']}",
+              f"rfid: {_fmt(ev['rfid'], '.3f')} ({ev['rfid_note']})",
+              f"command: {ev['command']}", "", "definitions:", ev["definitions"]]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddcl-vq evaluate", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run directory written by ddcl-vq train")
+    parser.add_argument("--split", default="test", choices=["train", "test"])
+    parser.add_argument("--max-images", type=int, default=0, help="first N images of the split (0 = all)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    args = parser.parse_args(argv)
+    if args.max_images < 0 or args.batch_size <= 0:
+        print("ddcl-vq evaluate: error: expected --max-images >= 0 and --batch-size > 0, got "
+              f"{args.max_images} and {args.batch_size}", file=sys.stderr)
+        return 2
+
+    from train.checkpoint import CheckpointError
+    from train.config import ConfigError
+    from train.data import DataUnavailable
+
+    from ddcl_vq.distributed import rank
+
+    command = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
+    try:
+        ev = evaluate_run(args.run_dir, args.split, args.max_images, args.batch_size, args.overrides,
+                          progress=not args.quiet, command=command)
+    except (EvaluateError, ConfigError, CheckpointError, DataUnavailable) as err:
+        print(f"ddcl-vq evaluate: error: {err}", file=sys.stderr)
+        return 2
+    if rank() == 0 and not args.quiet:
+        print(format_report(ev))
+        print(f"\nwrote {Path(args.run_dir) / 'eval.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

