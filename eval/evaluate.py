@@ -193,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.max_images < 0 or args.batch_size <= 0:
         print("ddcl-vq evaluate: error: expected --max-images >= 0 and --batch-size > 0, got "
               f"{args.max_images} and {args.batch_size}", file=sys.stderr)

@@ -438,7 +438,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show each arm's training progress (--jobs 1)")
     parser.add_argument("--list", action="store_true", help="print the arms and their status, then exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides for every arm")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     from train.checkpoint import CheckpointError
     from train.config import ConfigError

