@@ -198,7 +198,7 @@ def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Pat
     for ax, ev, name in zip(axes.flat, evals, names):
         counts = sorted(ev["usage_counts"], reverse=True)
         k = len(counts)
-        ax.bar(range(k), [max(c, 0.8) for c in counts], width=1.0, color="tab:blue", linewidth=0)
+        ax.stairs([max(c, 0.8) for c in counts], range(k + 1), fill=True, baseline=0.8, color="tab:blue")
         ax.set_yscale("log")
         ax.set_ylim(0.8, max(counts + [1]) * 1.5)
         ax.set_xlim(0, k)
