@@ -73,7 +73,7 @@ class QuantizerConfig:
 class TrainConfig:
     steps: int = 1000
     lr: float = 2e-3                         # encoder/decoder learning rate (AdamW)
-    codebook_lr_ratio: float = 1.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
+    codebook_lr_ratio: float = 3.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
     weight_decay: float = 0.0
     lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
     temperature_schedule: str = "constant"   # constant | cosine | exponential (DDCL only)
