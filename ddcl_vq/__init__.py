@@ -3,6 +3,7 @@
 Pure torch + einops: no file system, no torchvision, nothing from the rest of the repository,
 so the package can be copied into another code base as it is.
 """
+from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapter, swap_quantizer
 from .base import Quantizer, QuantizerOutput
 from .ddcl import DDCLQuantizer, SoftAssignment, soft_assignment
 from .ema import EMAVQ
@@ -13,6 +14,7 @@ from .vqp import VQPQuantizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "SoftAssignment", "soft_assignment",
     "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
 ]
