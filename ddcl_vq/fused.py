@@ -28,7 +28,7 @@ forward pass (ddᵀZ is linear in g): backward just scales a K×D tensor, nothin
 
 Two memory policies for the full gradient:
 
-* ``"fused"`` keeps the clamped distances d (one N×K tensor) for backward and recomputes
+* ``"fused"`` keeps the logits −d/s (one N×K tensor) for backward and recomputes
   q = softmax(−d/s) from them block by block;
 * ``"chunked"`` keeps only O(N·D + K·D) tensors and recomputes d and q per block in
   backward (one extra N×D·D×K matmul), so extra memory is O(chunk·K).
@@ -41,6 +41,8 @@ clamped at 0), so distortion = ols + variance holds to rounding.
 """
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -50,9 +52,9 @@ from torch import Tensor
 IMPLEMENTATIONS = ("auto", "reference", "fused", "chunked")
 
 #: rows per block are chosen so that one (rows × K) block has about this many elements …
-CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 1 << 19
 #: … but never fewer rows than this (skinny matmuls are slow) nor more than this.
-MIN_CHUNK_ROWS = 32
+MIN_CHUNK_ROWS = 128
 MAX_CHUNK_ROWS = 1024
 #: block width for the exact two-level argmin (see :func:`first_argmin`).
 _ARGMIN_BLOCK = 128
@@ -65,25 +67,30 @@ def chunk_rows(num_rows: int, num_codes: int, chunk_size: Optional[int] = None) 
     return max(1, min(int(chunk_size), max(num_rows, 1)))
 
 
-def first_argmin(d: Tensor) -> Tensor:
-    """``d.argmin(1)`` for a (rows, K) matrix, exactly (first minimal index), but faster.
+def first_argmax(x: Tensor) -> Tensor:
+    """``x.argmax(1)`` for a (rows, K) matrix, exactly (first maximal index), but faster.
 
-    ``argmin`` along a row is not vectorised on CPU (≈1 ns per element, as much as a
-    matmul's share); ``amin`` is. Block minima over groups of ``_ARGMIN_BLOCK`` columns,
-    the first block holding the row minimum, then argmin inside that one block: the same
-    index as the plain argmin, for ~1/6 of the cost.
+    ``argmax`` along a row is not vectorised on CPU (≈1 ns per element, as much as a
+    matmul's share); ``amax`` is. Block maxima over groups of ``_ARGMIN_BLOCK`` columns,
+    the first block holding the row maximum, then argmax inside that one block: the same
+    index as the plain argmax (ties go to the first), for a fraction of the cost.
     """
-    rows, k = d.shape
+    rows, k = x.shape
     b = _ARGMIN_BLOCK
     nb = k // b
-    if nb < 2 or not d.is_contiguous() or d.device.type != "cpu":
-        return d.argmin(1)
-    block_min = d[:, : nb * b].view(rows, nb, b).amin(2)
+    if nb < 2 or not x.is_contiguous() or x.device.type != "cpu":
+        return x.argmax(1)
+    block_max = x[:, : nb * b].view(rows, nb, b).amax(2)
     if nb * b < k:
-        block_min = torch.cat([block_min, d[:, nb * b:].amin(1, keepdim=True)], 1)
-    start = block_min.argmin(1) * b
-    cols = (start[:, None] + torch.arange(b, device=d.device)).clamp_max_(k - 1)
-    return start + d.gather(1, cols).argmin(1)
+        block_max = torch.cat([block_max, x[:, nb * b:].amax(1, keepdim=True)], 1)
+    start = block_max.argmax(1) * b
+    cols = (start[:, None] + torch.arange(b, device=x.device)).clamp_max_(k - 1)
+    return start + x.gather(1, cols).argmax(1)
+
+
+def first_argmin(d: Tensor) -> Tensor:
+    """``d.argmin(1)`` exactly (first minimal index), via :func:`first_argmax` on −d."""
+    return first_argmax(d.neg())
 
 
 @dataclass
@@ -104,116 +111,251 @@ class FastAssignment:
 
 
 class _Blocks:
-    """Shared per-call state: centred codebook, its norms, block bounds."""
+    """Per-call constants shared by every block (read-only while the blocks run).
 
-    def __init__(self, w: Tensor, num_rows: int, rows: int):
+    Logits ℓ = −d/s come out of one matmul with augmented operands,
+        [zc, 1, ‖zc‖²] @ [(2/s)·wcᵀ ; −‖wc‖²/s ; −1/s]  =  −(‖zc‖² − 2 zc·wc + ‖wc‖²)/s,
+    then are clamped at 0 (d clamped at 0 as in the reference). No N×K add or scale pass.
+    """
+
+    def __init__(self, z: Tensor, w: Tensor, scale: float, rows: int):
+        n, dim = z.shape
+        k = w.shape[0]
+        self.n, self.dim, self.k, self.rows, self.scale = n, dim, k, rows, scale
+        self.z = z
         self.center = w.mean(0)
-        self.wc = w - self.center                 # (K, D)
-        self.wct = self.wc.t()                    # (D, K) view, BLAS takes it transposed
-        self.wn = self.wc.pow(2).sum(1)           # (K,)
-        self.bounds = [(i, min(i + rows, num_rows)) for i in range(0, num_rows, rows)]
+        self.wc = (w - self.center).contiguous()        # (K, D)
+        self.wn = self.wc.pow(2).sum(1)                 # (K,)
+        inv_s = 1.0 / scale
+        a = w.new_empty(dim + 2, k)
+        torch.mul(self.wc.t(), 2.0 * inv_s, out=a[:dim])
+        torch.mul(self.wn, -inv_s, out=a[dim])
+        a[dim + 1].fill_(-inv_s)
+        self.logit_rhs = a                              # (D+2, K)
+        self.bounds = [(i, min(i + rows, n)) for i in range(0, n, rows)]
+        self.width = min(rows, n)
+
+    def new_za(self) -> Tensor:
+        za = self.z.new_empty(self.width, self.dim + 2)  # [zc, 1, ‖zc‖²] of one block
+        za[:, self.dim].fill_(1.0)
+        return za
+
+    def centred(self, za_buf: Tensor, i0: int, i1: int) -> Tensor:
+        """Fill a block's augmented rows; returns the (m, D+2) view (zc = [:, :D])."""
+        m, dim = i1 - i0, self.dim
+        za = za_buf[:m]
+        zc = torch.sub(self.z[i0:i1], self.center, out=za[:, :dim])
+        torch.linalg.vecdot(zc, zc, out=za[:, dim + 1])
+        return za
+
+    def logits(self, za: Tensor, out: Tensor) -> Tensor:
+        """out ← −clamp(d, 0)/s for the block (one matmul, one clamp pass)."""
+        return torch.mm(za, self.logit_rhs, out=out).clamp_max_(0.0)
 
 
-def _distances(zc: Tensor, blk: _Blocks, out: Tensor) -> Tensor:
-    """out ← clamp(‖zc‖² + ‖wc‖² − 2 zc·wc, 0): the reference's squared distances."""
-    torch.addmm(blk.wn, zc, blk.wct, beta=1.0, alpha=-2.0, out=out)
-    out.add_(zc.pow(2).sum(1, keepdim=True)).clamp_min_(0.0)
-    return out
+def _softmax(logits: Tensor, out: Tensor) -> Tensor:
+    """out ← softmax(logits) along rows (the library's stable, max-subtracted kernel)."""
+    return torch._softmax(logits, 1, False, out=out)
 
 
-def _softmax(d: Tensor, neg_inv_scale: float, out: Tensor) -> Tensor:
-    """out ← softmax(−d/s) along rows (the library's stable, max-subtracted kernel)."""
-    torch.mul(d, neg_inv_scale, out=out)
-    return torch._softmax(out, 1, False, out=out)
+# ----------------------------------------------------------------------------- block runner
+#
+# Blocks are independent except for K-sized accumulators, so on CPU they are spread over
+# a small pool of worker threads, each running its share of blocks with single-threaded
+# ops (static round-robin, so the float sums are deterministic). Compared with running
+# every small op on all intra-op threads, this removes one fork/join barrier per op —
+# dozens per block — which matters when the cores are shared with other jobs.
+
+_POOL = None
+_POOL_KEY = None
+_POOL_LOCK = threading.Lock()
 
 
-def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_d: bool,
+def _init_worker(barrier: threading.Barrier) -> None:
+    torch.get_num_threads()          # lazy per-thread init first, so the next call sticks
+    torch.set_num_threads(1)         # this thread's OpenMP/MKL setting (thread-local)
+    barrier.wait()
+
+
+def _pool(size: int):
+    """A process-local pool of ``size`` single-threaded workers (recreated after fork)."""
+    global _POOL, _POOL_KEY
+    key = (os.getpid(), size)
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_KEY != key:
+            from concurrent.futures import ThreadPoolExecutor
+            restore = torch.get_num_threads()
+            barrier = threading.Barrier(size + 1)
+            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="ddcl-blocks",
+                                      initializer=_init_worker, initargs=(barrier,))
+            for _ in range(size):
+                pool.submit(lambda: None)
+            barrier.wait()
+            # torch.set_num_threads in the workers also set the process-wide default that
+            # new threads start from; put it back (this thread's own setting is unchanged).
+            torch.set_num_threads(restore)
+            _POOL, _POOL_KEY = pool, key
+        return _POOL
+
+
+def num_workers(x: Tensor, num_blocks: int) -> int:
+    """Workers for a blocked loop: the intra-op thread count on CPU (1 elsewhere)."""
+    if x.device.type != "cpu" or num_blocks < 2 or not PARALLEL_BLOCKS:
+        return 1
+    return max(1, min(torch.get_num_threads(), num_blocks))
+
+
+#: spread blocks over worker threads on CPU (False: one loop, intra-op parallel ops)
+PARALLEL_BLOCKS = True
+
+
+def _run_blocks(bounds, workers: int, make_state, body):
+    """Run ``body(state, i0, i1)`` for every block; returns the per-worker states."""
+    if workers <= 1:
+        st = make_state()
+        for i0, i1 in bounds:
+            body(st, i0, i1)
+        return [st]
+    states = [make_state() for _ in range(workers)]
+
+    def loop(st, share):
+        with torch.no_grad():
+            for i0, i1 in share:
+                body(st, i0, i1)
+
+    pool = _pool(workers)
+    futures = [pool.submit(loop, states[t], bounds[t::workers]) for t in range(workers)]
+    for f in futures:
+        f.result()
+    return states
+
+
+def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
              eager_codebook_grad: bool):
     n, dim = z.shape
     k = w.shape[0]
-    blk = _Blocks(w, n, rows)
-    neg_inv_s = -1.0 / scale
+    blk = _Blocks(z, w, scale, rows)
     soft_c = z.new_empty(n, dim)
     indices = torch.empty(n, dtype=torch.long, device=z.device)
-    row_dist = z.new_empty(n)
-    row_ols = z.new_empty(n)
-    row_var = z.new_empty(n)
-    counts = z.new_zeros(k)
-    d_all = z.new_empty(n, k) if store_d else None
-    width = min(rows, n)
-    d_buf = None if store_d else z.new_empty(width, k)
-    q_buf = z.new_empty(width, k)
-    if eager_codebook_grad:
-        grad_base = z.new_zeros(k, dim)           # Σ_i e_ik zc_i, e = ∂(Σ_k q d)/∂d
-        grad_cols = z.new_zeros(k)                # Σ_i e_ik
-    for i0, i1 in blk.bounds:
-        m = i1 - i0
-        zc = z[i0:i1] - blk.center
-        d = d_all[i0:i1] if store_d else d_buf[:m]
-        _distances(zc, blk, d)
-        indices[i0:i1] = first_argmin(d)
-        q = _softmax(d, neg_inv_s, q_buf[:m])
-        torch.linalg.vecdot(q, d, out=row_dist[i0:i1])
-        counts.add_(q.sum(0))
-        sc = torch.mm(q, blk.wc, out=soft_c[i0:i1])
-        row_ols[i0:i1] = (zc - sc).pow_(2).sum(1)
-        row_var[i0:i1] = torch.mv(q, blk.wn).sub_(sc.pow(2).sum(1)).clamp_min_(0.0)
+    qdot = z.new_empty(n)                       # Σ_k q ℓ = −(Σ_k q d)/s per row
+    qwn = z.new_empty(n)                        # Σ_k q ‖wc‖² per row
+    logits_all = z.new_empty(n, k) if store_logits else None
+    width = blk.width
+
+    def make_state():
+        st = dict(za=blk.new_za(), q=z.new_empty(width, k), counts=z.new_zeros(k),
+                  l=None if store_logits else z.new_empty(width, k))
         if eager_codebook_grad:
-            # e_ik = q_ik (1 − (d_ik − Σ_k q_ik d_ik)/s): ∂/∂d of Σ_k q d through the softmax.
-            e = torch.add((1.0 + row_dist[i0:i1] / scale)[:, None], d, alpha=neg_inv_s, out=d).mul_(q)
-            grad_base.addmm_(e.t(), zc)
-            grad_cols.add_(e.sum(0))
-    state = dict(blk=blk, soft_c=soft_c, row_dist=row_dist, d_all=d_all)
+            st["acc"] = z.new_zeros(dim + 2, k)  # [zcᵀ e ; colsum(e) ; ·], e = ∂(Σ_k q d)/∂d
+        return st
+
+    def body(st, i0, i1):
+        m = i1 - i0
+        za = blk.centred(st["za"], i0, i1)
+        lg = blk.logits(za, logits_all[i0:i1] if store_logits else st["l"][:m])
+        indices[i0:i1] = first_argmax(lg)
+        q = _softmax(lg, st["q"][:m])
+        qd = torch.linalg.vecdot(q, lg, out=qdot[i0:i1])
+        st["counts"].add_(q.sum(0))
+        torch.mm(q, blk.wc, out=soft_c[i0:i1])
+        torch.mv(q, blk.wn, out=qwn[i0:i1])
+        if eager_codebook_grad:
+            # e_ik = q_ik (1 − (d_ik − Σ_k q d)/s) = q_ik (1 − Σ_k q ℓ + ℓ_ik)
+            e = lg.add_((1.0 - qd)[:, None]).mul_(q)
+            st["acc"].addmm_(za.t(), e)
+
+    states = _run_blocks(blk.bounds, num_workers(z, len(blk.bounds)), make_state, body)
+    counts = states[0]["counts"]
+    for st in states[1:]:
+        counts.add_(st["counts"])
+    zc_all = z - blk.center
+    row_dist = qdot.mul_(-scale)
+    ols = (zc_all - soft_c).pow_(2).sum(1).mean()
+    variance = qwn.sub_(soft_c.pow(2).sum(1)).clamp_min_(0.0).mean()
+    state = dict(soft_c=soft_c, row_dist=row_dist, logits=logits_all)
     if eager_codebook_grad:
-        # ∂L/∂w_k = −(2/N) Σ_i e_ik (zc_i − wc_k), L = mean_i Σ_k q d; backward scales by g.
-        state["codebook_grad"] = (-2.0 / n) * (grad_base - grad_cols[:, None] * blk.wc)
-    terms = (row_dist.mean(), row_ols.mean(), row_var.mean())
-    return soft_c + blk.center, indices, terms, counts, state
+        acc = states[0]["acc"]
+        for st in states[1:]:
+            acc.add_(st["acc"])
+        # ∂L/∂w_k = −(2/N) Σ_i e_ik (zc_i − wc_k) with L = mean_i Σ_k q d; backward scales by g.
+        state["codebook_grad"] = (acc[:dim].t() - acc[dim][:, None] * blk.wc).mul_(-2.0 / n)
+    return soft_c + blk.center, indices, (row_dist.mean(), ols, variance), counts, state
 
 
-def _backward(z: Tensor, w: Tensor, scale: float, rows: int, d_all: Optional[Tensor],
+def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optional[Tensor],
               soft_c: Tensor, row_dist: Tensor, g_soft: Optional[Tensor], g_dist: Optional[Tensor],
               need_z: bool, need_w: bool):
     n, dim = z.shape
     k = w.shape[0]
-    blk = _Blocks(w, n, rows)
-    neg_inv_s = -1.0 / scale
-    gn = 0.0 if g_dist is None else float(g_dist) / n       # g / N
-    width = min(rows, n)
-    d_buf = z.new_empty(width, k) if d_all is None else None
-    q_buf = z.new_empty(width, k)
-    p_buf = z.new_empty(width, k)
+    blk = _Blocks(z, w, scale, rows)
+    inv_s = 1.0 / scale
+    gn = 0.0 if g_dist is None else float(g_dist) / n      # g / N
+    width = blk.width
     grad_z = z.new_empty(n, dim) if need_z else None
-    grad_w = z.new_zeros(k, dim) if need_w else None
-    cols = z.new_zeros(k) if need_w else None
-    for i0, i1 in blk.bounds:
-        m = i1 - i0
-        zc = z[i0:i1] - blk.center
-        if d_all is not None:
-            d = d_all[i0:i1]
+    if g_soft is not None:
+        # bracket_ik = α_i − G_i·wc_k/s  from  [G, α] @ [−wcᵀ/s ; 1]
+        rhs = w.new_empty(dim + 1, k)
+        torch.mul(blk.wc.t(), -inv_s, out=rhs[:dim])
+        rhs[dim].fill_(1.0)
+
+    def make_state():
+        st = dict(za=blk.new_za(), qp=z.new_empty(2 * width, k),   # [q ; dd] stacked for one matmul
+                  l=z.new_empty(width, k) if logits_all is None else None,
+                  acc=z.new_zeros(dim + 1, k) if need_w else None)
+        if g_soft is not None:
+            st["ga"] = z.new_empty(width, dim + 1)
+            st["r"] = z.new_empty(2 * width, dim + 1)               # [[G, 0] ; [−2 zc, 1]]
         else:
-            d = _distances(zc, blk, d_buf[:m])    # bitwise the forward's blocks
-        q = _softmax(d, neg_inv_s, q_buf[:m])
+            st["r"] = z.new_empty(width, dim + 1)                   # [−2 zc, 1]
+        return st
+
+    def body(st, i0, i1):
+        m = i1 - i0
+        za = blk.centred(st["za"], i0, i1)
+        zc = za[:, :dim]
+        lg = logits_all[i0:i1] if logits_all is not None else blk.logits(za, st["l"][:m])
+        qp = st["qp"]
+        q = _softmax(lg, qp[:m])
+        p = qp[m:2 * m]
+        # dd = q ⊙ (g/N − (p − r)/s),  p = G·wc_k + (g/N) d_ik,  r_i = G_i·ẑ_i + (g/N) Σ_k q d
         if g_soft is not None:
             gs = g_soft[i0:i1]
-            # p = G·w_k + (g/N) d_ik ;  r_i = G_i·ẑ_i + (g/N) Σ_k q d
-            p = torch.addmm(d, gs, blk.wct, beta=gn, alpha=1.0, out=p_buf[:m])
             r = torch.linalg.vecdot(gs, soft_c[i0:i1]).add_(row_dist[i0:i1], alpha=gn)
+            ga = st["ga"][:m]
+            ga[:, :dim] = gs
+            torch.add(r * inv_s, gn, out=ga[:, dim])
+            torch.mm(ga, rhs, out=p)
+            if gn != 0.0:
+                p.add_(lg, alpha=gn)                        # −(g/N) d/s = (g/N) ℓ
         else:
-            p = torch.mul(d, gn, out=p_buf[:m])
-            r = row_dist[i0:i1] * gn
-        # dd = q ⊙ (g/N − (p − r)/s)
-        dd = torch.add((gn + r / scale)[:, None], p, alpha=neg_inv_s, out=p).mul_(q)
+            alpha = (1.0 + row_dist[i0:i1] * inv_s) * gn
+            torch.add(alpha[:, None], lg, alpha=gn, out=p)
+        dd = p.mul_(q)
         if need_z:
             gz = torch.mm(dd, blk.wc, out=grad_z[i0:i1])
             gz.mul_(-2.0).addcmul_(zc, dd.sum(1, keepdim=True), value=2.0)
         if need_w:
-            grad_w.addmm_(dd.t(), zc, alpha=-2.0)
-            cols.add_(dd.sum(0))
             if g_soft is not None:
-                grad_w.addmm_(q.t(), gs)
+                rb = st["r"][:2 * m]
+                rb[:m, :dim] = gs
+                rb[:m, dim] = 0.0
+                torch.mul(zc, -2.0, out=rb[m:, :dim])
+                rb[m:, dim] = 1.0
+                st["acc"].addmm_(rb.t(), qp[:2 * m])        # Gᵀq − 2 zcᵀdd ; colsum(dd)
+            else:
+                rb = st["r"][:m]
+                torch.mul(zc, -2.0, out=rb[:, :dim])
+                rb[:, dim] = 1.0
+                st["acc"].addmm_(rb.t(), dd)
+
+    states = _run_blocks(blk.bounds, num_workers(z, len(blk.bounds)), make_state, body)
+    grad_w = None
     if need_w:
-        grad_w.addcmul_(cols[:, None], blk.wc, value=2.0)
+        acc = states[0]["acc"]
+        for st in states[1:]:
+            acc.add_(st["acc"])
+        # ∂/∂w_k = (qᵀG)_k − 2 (ddᵀzc)_k + 2 colsum(dd)_k wc_k
+        grad_w = acc[:dim].t().addcmul(acc[dim][:, None], blk.wc, value=2.0)
     return grad_z, grad_w
 
 
@@ -223,7 +365,7 @@ class DDCLFunction(torch.autograd.Function):
     Only ẑ and L_q are differentiable (ols/variance/soft_counts are reported detached).
     ``codebook_only``: z gets no gradient and ẑ is not differentiable (straight-through
     mode); the codebook gradient of L_q is formed during forward, nothing N×K is kept.
-    ``store``: keep the N×K distances for backward ("fused") or recompute them ("chunked").
+    ``store``: keep the N×K logits −d/s for backward ("fused") or recompute them ("chunked").
     """
 
     @staticmethod
@@ -232,13 +374,13 @@ class DDCLFunction(torch.autograd.Function):
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_needed = need_w if codebook_only else (need_z or need_w)
         eager = codebook_only and need_w
-        store_d = store and grad_needed and not codebook_only
-        soft, indices, (dist, ols, var), counts, st = _forward(z, w, scale, rows, store_d, eager)
+        store_logits = store and grad_needed and not codebook_only
+        soft, indices, (dist, ols, var), counts, st = _forward(z, w, scale, rows, store_logits, eager)
         ctx.scale, ctx.rows, ctx.codebook_only = scale, rows, codebook_only
         if eager:
             ctx.save_for_backward(st["codebook_grad"])
         elif grad_needed:
-            saved = (z, w, st["soft_c"], st["row_dist"]) + ((st["d_all"],) if store_d else ())
+            saved = (z, w, st["soft_c"], st["row_dist"]) + ((st["logits"],) if store_logits else ())
             ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ols, var, indices, counts)
@@ -249,18 +391,19 @@ class DDCLFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_soft, g_dist, _g_ols=None, _g_var=None, _g_idx=None, _g_counts=None):
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nothing = (None, None, None, None, None, None)
         if ctx.codebook_only:
             if g_dist is None or not need_w:
-                return None, None, None, None, None, None
+                return nothing
             (base,) = ctx.saved_tensors
             return None, base * g_dist, None, None, None, None
         if g_soft is None and g_dist is None:
-            return None, None, None, None, None, None
+            return nothing
         saved = ctx.saved_tensors
         z, w, soft_c, row_dist = saved[:4]
-        d_all = saved[4] if len(saved) > 4 else None
+        logits = saved[4] if len(saved) > 4 else None
         with torch.autocast(device_type=z.device.type, enabled=False):
-            grad_z, grad_w = _backward(z, w, ctx.scale, ctx.rows, d_all, soft_c, row_dist,
+            grad_z, grad_w = _backward(z, w, ctx.scale, ctx.rows, logits, soft_c, row_dist,
                                        g_soft, g_dist, need_z, need_w)
         return grad_z, grad_w, None, None, None, None
 
