@@ -84,3 +84,29 @@ def test_torchrun_training_writes_once_and_resumes(tmp_path):
     assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_images"] == 128 and sum([summary["codebook"]["active_codes"]]) > 0
+
+
+def test_distributed_evaluate_equals_single_process(tmp_path):
+    from eval.evaluate import main as evaluate_main
+    from train.loop import train as train_run
+
+    cfg = load_config("configs/fashion_ddcl.yaml", [
+        f"run.dir={tmp_path / 'run'}", "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1",
+        "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6",
+        "train.eval_images=0"])
+    train_run(cfg, quiet=True)
+    run = tmp_path / "run"
+    assert evaluate_main([str(run), "--max-images", "300", "--quiet"]) == 0
+    single = json.loads((run / "eval.json").read_text())
+    (run / "eval.json").unlink()
+    torchrun("-m", "eval.cli", "evaluate", str(run), "--max-images", "300", "--quiet")
+    multi = json.loads((run / "eval.json").read_text())
+    assert multi["num_images"] == single["num_images"] == 300
+    assert multi["usage_counts"] == single["usage_counts"]
+    assert sum(multi["usage_counts"]) == 300 * 8 * 8
+    for codes in ("hard", "soft"):
+        for metric, value in single["recon"][codes].items():
+            if isinstance(value, float):
+                assert multi["recon"][codes][metric] == pytest.approx(value, rel=1e-5, abs=1e-7), (codes, metric)
+    for key in ("utilization", "perplexity", "soft_perplexity", "entropy_bits"):
+        assert multi["codebook"][key] == pytest.approx(single["codebook"][key], rel=1e-6)
