@@ -385,8 +385,13 @@ def _probe_main(name: str, n: int, d: int, k: int) -> int:
 
 # ----------------------------------------------------------------------------- end to end
 
-def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128) -> List[dict]:
-    """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ."""
+def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True) -> List[dict]:
+    """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ.
+
+    Models: configs/fashion_ddcl.yaml and configs/fashion_hard.yaml through the training
+    package's builders when it is importable, else ``VQVAE(Encoder(), Q(512, 64), Decoder())``
+    with AdamW. ``with_reference`` adds the DDCL model on the reference path.
+    """
     from ddcl_vq import DDCLQuantizer, HardVQ
     models = {}
     root = Path(__file__).resolve().parents[1]
@@ -409,12 +414,12 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128) -> List[dict]:
             torch.manual_seed(0)
             model = VQVAE(Encoder(), q, Decoder())
             models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
-    # the same DDCL model on the reference path, to show what the fused path buys end to end
-    import copy
-    ref_model = copy.deepcopy(models["ddcl"][0])
-    ref_model.quantizer.implementation = "reference"
-    ref_opt = type(models["ddcl"][1])(ref_model.parameters(), lr=2e-3)
-    models["ddcl-reference"] = (ref_model, ref_opt, models["ddcl"][2])
+    if with_reference:  # the same DDCL model on the reference path: what the fused path buys end to end
+        import copy
+        ref_model = copy.deepcopy(models["ddcl"][0])
+        ref_model.quantizer.implementation = "reference"
+        ref_opt = type(models["ddcl"][1])(ref_model.parameters(), lr=2e-3)
+        models["ddcl-reference"] = (ref_model, ref_opt, models["ddcl"][2])
     x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0))
 
     def make(model, opt, weight):
@@ -439,7 +444,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128) -> List[dict]:
     med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
     n = batch * 8 * 8
     out = []
-    for label in ("ddcl", "ddcl-reference", "hardvq"):
+    for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
         q = models[label][0].quantizer
         impl = q.resolve_implementation(n) if hasattr(q, "resolve_implementation") else None
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, ms=round(med[label], 3), peak_mb=None,
@@ -460,7 +465,11 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    try:
+        load = [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg": load,
             "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.is_available(), "date": _dt.datetime.now().isoformat(timespec="seconds")}
 
@@ -483,11 +492,11 @@ def add_ratios(rows: List[dict]) -> None:
 
 
 def format_table(rows: List[dict]) -> str:
-    head = f"{'impl':<20} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
+    head = f"{'impl':<26} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("ms") is None:
-            lines.append(f"{r['impl']:<20} {r['N']:>6} {r['D']:>4} {r['K']:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
+            lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
                          f"skipped: {r.get('skipped', '')}")
             continue
         peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
@@ -498,7 +507,7 @@ def format_table(rows: List[dict]) -> str:
             note.append("single cold run")
         if "ratio_vs_hardvq" in r:
             note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step" + (f", path={r['path']}" if r.get("path") else ""))
-        lines.append(f"{r['impl']:<20} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
+        lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
                      + "; ".join(note))
     return "\n".join(lines)
 
@@ -567,11 +576,13 @@ def parse_shape(text: str) -> Tuple[int, int, int]:
 
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
-              memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, progress: bool = False) -> List[dict]:
+              memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
+              e2e_batch: int = 128, e2e_reference: bool = True, progress: bool = False,
+              calibration: Optional[Tuple[float, float]] = None) -> List[dict]:
     """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step); returns rows with ratios."""
     if memory == "rss" and not RssProbe.available():
         memory = "subprocess"
-    cal = calibrate()
+    cal = calibrate() if calibration is None else calibration
     mem_budget = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                               budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal)
@@ -588,7 +599,7 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
         bar.close()
     add_ratios(rows)
     if e2e:
-        rows += e2e_rows(repeats=e2e_repeats)
+        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference)
     for r in rows:
         r["memory_method"] = memory
     return rows
@@ -618,12 +629,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     meta = machine()
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
-                     e2e=not args.no_e2e, e2e_repeats=3 if quick else 7, progress=not args.no_progress)
+                     e2e=not args.no_e2e, e2e_repeats=3 if quick else 7, e2e_warmup=1 if quick else 2,
+                     e2e_reference=not quick, progress=not args.no_progress)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
+    try:
+        meta["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        pass
     print(f"ddcl-vq bench — {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
-          f"torch {meta['torch']}, {meta['date']}")
+          f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")
+    if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:
+        print("warning: the load average exceeded the core count: other jobs shared the CPU, so absolute times are "
+              "inflated; compare ratios within this run.")
     print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]))
     print()
     print(format_table(rows))

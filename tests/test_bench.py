@@ -1,0 +1,59 @@
+"""The bench machinery on tiny shapes (no timing assertions: speed goals live in the bench)."""
+import json
+
+import pytest
+
+from eval import bench
+
+
+def test_run_bench_tiny_shapes_every_impl():
+    rows = bench.run_bench([(48, 8, 16)], list(bench.IMPLS), warmup=1, repeats=1,
+                           budget_seconds=5, max_seconds=10, calibration=(1e-10, 1e-9))
+    assert len(rows) == len(bench.IMPLS)
+    for r in rows:
+        assert {"impl", "N", "D", "K", "ms", "peak_mb"} <= set(r)
+        if r.get("skipped"):
+            assert r["ms"] is None
+            continue
+        assert r["ms"] > 0
+        assert r["peak_mb"] is None or r["peak_mb"] >= 0
+        assert r["pct_matmul6"] > 0
+        if r["impl"] != "vqp":
+            assert r.get("x_vqp") is None or r["x_vqp"] > 0
+    text = bench.format_table(rows)
+    assert "ddcl-soft-chunked" in text and "matmul6" in text
+
+
+def test_plan_skips_what_does_not_fit_and_says_why():
+    cal = (1e-11, 1e-9)
+    plans = bench.plan_measurements([(65536, 64, 65536)], ["ddcl-reference", "ddcl-chunked", "vqp"], warmup=1,
+                                    repeats=5, max_seconds=1e9, budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
+    by = {p.name: p for p in plans}
+    assert "memory" in by["ddcl-reference"].skip and "memory" in by["vqp"].skip
+    assert by["ddcl-chunked"].skip is None
+    plans = bench.plan_measurements([(65536, 64, 65536)], ["ddcl-chunked"], warmup=1, repeats=5, max_seconds=0.001,
+                                    budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
+    assert "time" in plans[0].skip
+
+
+def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--shapes", "32,4,8", "--impls", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
+                       "--repeats", "1", "--no-e2e", "--no-progress", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["cores"] >= 1 and data["meta"]["memory_method"] in ("rss", "subprocess")
+    assert {r["impl"] for r in data["rows"]} == {"ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
+    printed = capsys.readouterr().out
+    assert "peak MB" in printed and "% 6mm" in printed
+    rows = bench.e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
+    assert {r["impl"] for r in rows} == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
+    assert all(r["ms"] > 0 and r["K"] == 512 and r["D"] == 64 for r in rows)
+
+
+def test_help_explains_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--quick", "--json", "--memory", "--max-seconds", "--threads"):
+        assert option in text

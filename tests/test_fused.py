@@ -1,0 +1,226 @@
+"""Fused and chunked DDCL paths: same values and gradients as the reference, O(chunk·K) memory."""
+import threading
+
+import pytest
+import torch
+
+import ddcl_vq.fused as fused
+from ddcl_vq import DDCLQuantizer, soft_assignment
+from ddcl_vq.fused import DDCLFunction, ddcl_assign, first_argmax, first_argmin
+
+MODES = ["soft", "straight_through", "soft_straight_through"]
+# (N, K, D, chunk): chunk not dividing N, N < chunk, K = 1, K past the argmax block width
+SHAPES = [(37, 16, 8, 5), (10, 300, 5, 64), (20, 1, 4, 3), (70, 260, 6, 16)]
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=2e-4, atol=2e-5)}
+
+
+def run(impl, mode, dtype, n, k, d, chunk, seed=0, tau=0.1):
+    torch.manual_seed(seed)
+    quant = DDCLQuantizer(k, d, mode=mode, temperature=tau, codebook_init="normal", channel_dim=-1,
+                          implementation=impl, chunk_size=chunk).to(dtype)
+    z = torch.randn(n, d, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(n, d, dtype=dtype)
+    out = quant(z)
+    ((out.quantized * upstream).sum() + 3.0 * out.loss).backward()
+    return out, z.grad, quant.weight.grad
+
+
+def assert_close(a, b, dtype, what):
+    scale = max(b.abs().max().item(), 1.0)
+    assert torch.allclose(a, b, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale), \
+        f"{what}: max abs diff {(a - b).abs().max().item():.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "N{}-K{}-D{}-chunk{}".format(*s))
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_and_chunked_match_reference(mode, shape, dtype):
+    ref, ref_gz, ref_gw = run("reference", mode, dtype, *shape)
+    for impl in ("fused", "chunked"):
+        out, gz, gw = run(impl, mode, dtype, *shape)
+        assert torch.equal(out.indices, ref.indices), impl
+        assert out.quantized.dtype == ref.quantized.dtype == dtype
+        assert_close(out.quantized, ref.quantized, dtype, f"{impl} quantized")
+        assert_close(out.loss, ref.loss, dtype, f"{impl} loss")
+        assert set(out.terms) == set(ref.terms)
+        for name in ref.terms:
+            assert_close(out.terms[name], ref.terms[name], dtype, f"{impl} {name}")
+        assert_close(out.soft_counts, ref.soft_counts, dtype, f"{impl} soft_counts")
+        assert_close(out.perplexity, ref.perplexity, torch.float32, f"{impl} perplexity")
+        assert_close(gz, ref_gz, dtype, f"{impl} grad z")
+        assert_close(gw, ref_gw, dtype, f"{impl} grad codebook")
+        t = out.terms
+        assert abs(t["distortion"] - t["ols"] - t["variance"]) <= (1e-10 if dtype == torch.float64 else 1e-5) * t["distortion"]
+
+
+@pytest.mark.parametrize("codebook_only", [False, True])
+def test_assignment_function_matches_soft_assignment(codebook_only):
+    """ddcl_assign against soft_assignment directly, distortion weight and upstream both on."""
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(45, 6, generator=g, dtype=torch.float64) + 40.0)    # far from the origin: centring
+    w = torch.randn(23, 6, generator=g, dtype=torch.float64) + 40.0
+    up = torch.randn(45, 6, generator=g, dtype=torch.float64)
+    grads = []
+    for impl in ("reference", "fused", "chunked"):
+        zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if impl == "reference":
+            a = soft_assignment(zz.detach() if codebook_only else zz, ww, 0.4)
+            counts = a.q.sum(0)
+        else:
+            a = ddcl_assign(zz, ww, 0.4, codebook_only=codebook_only, implementation=impl, chunk_size=7)
+            counts = a.soft_counts
+        loss = 0.7 * a.distortion + (0 if codebook_only else (a.soft * up).sum())
+        loss.backward()
+        grads.append((a.soft.detach(), a.distortion.detach(), a.ols, a.variance, counts, a.indices,
+                      zz.grad, ww.grad))
+    for other in grads[1:]:
+        for x, y in zip(other, grads[0]):
+            if y is None:
+                assert x is None
+            elif y.dtype == torch.long:
+                assert torch.equal(x, y)
+            else:
+                assert torch.allclose(x.detach(), y.detach(), rtol=1e-9, atol=1e-10)
+
+
+def test_gradcheck_fused_function_float64():
+    z = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    for store in (True, False):
+        def f(z_, w_):
+            soft, dist = DDCLFunction.apply(z_, w_, 0.7, 3, False, store)[:2]
+            return soft, dist
+        assert torch.autograd.gradcheck(f, (z, w), eps=1e-6, atol=1e-7)
+
+    def g(w_):  # straight-through assignment: only the codebook, only the distortion
+        return DDCLFunction.apply(z.detach(), w_, 0.7, 3, True, True)[1]
+    assert torch.autograd.gradcheck(g, (w,), eps=1e-6, atol=1e-7)
+
+
+def test_auto_picks_chunked_above_threshold():
+    big = DDCLQuantizer(16, 4, chunk_threshold_bytes=100)
+    small = DDCLQuantizer(16, 4)
+    assert big.resolve_implementation(1) == "fused"                      # N·K·4 B = 64 B <= 100 B
+    assert big.resolve_implementation(2) == "chunked"                    # 128 B > 100 B
+    assert big.resolve_implementation(1, torch.float64) == "chunked"     # 8-byte elements
+    assert small.resolve_implementation(100) == "fused"
+    assert DDCLQuantizer(16, 4, implementation="reference", chunk_threshold_bytes=0).resolve_implementation(10**9) == "reference"
+    with pytest.raises(ValueError, match="implementation"):
+        DDCLQuantizer(16, 4, implementation="fast")
+    with pytest.raises(ValueError, match="chunk_size"):
+        DDCLQuantizer(16, 4, chunk_size=0)
+
+
+def saved_numels(quant, z):
+    """numel of every tensor autograd saves for backward during one forward."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = quant(z)
+    return sizes, out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_keeps_nothing_of_size_n_by_k(mode):
+    n, k, d = 96, 40, 3
+    torch.manual_seed(0)
+    z = torch.randn(n, d, requires_grad=True)
+    chunked = DDCLQuantizer(k, d, mode=mode, channel_dim=-1, implementation="auto", chunk_threshold_bytes=1,
+                            chunk_size=8)
+    assert chunked.resolve_implementation(n) == "chunked"
+    sizes, out = saved_numels(chunked, z)
+    assert sizes and max(sizes) < n * k, sizes           # O(N·D + K·D), nothing N×K
+    (out.quantized.sum() + out.loss).backward()           # and backward still works
+    assert torch.isfinite(z.grad).all() and torch.isfinite(chunked.weight.grad).all()
+    # the reference path does keep N×K tensors; the fused soft modes keep exactly one
+    ref_sizes, _ = saved_numels(DDCLQuantizer(k, d, mode=mode, channel_dim=-1, implementation="reference"), z)
+    assert sum(s >= n * k for s in ref_sizes) >= 2
+    fused_sizes, _ = saved_numels(DDCLQuantizer(k, d, mode=mode, channel_dim=-1, implementation="fused"), z)
+    assert sum(s >= n * k for s in fused_sizes) == (0 if mode == "straight_through" else 1)
+
+
+def test_chunked_allocates_only_block_sized_buffers(monkeypatch):
+    """Observed with the profiler's allocation tracking: no single N×K-sized allocation."""
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setattr(fused, "PARALLEL_BLOCKS", False)   # every op on this (profiled) thread
+    n, k, d, chunk = 4096, 64, 4, 128
+    z = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(k, d, requires_grad=True)
+    up = torch.randn(n, d)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = ddcl_assign(z, w, 0.3, implementation="chunked", chunk_size=chunk)
+        ((a.soft * up).sum() + a.distortion).backward()
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < biggest < n * k * 4 // 4, biggest           # blocks are chunk×K, 32× smaller than N×K
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked"])
+@pytest.mark.parametrize("mode", MODES)
+def test_no_nan_at_tiny_tau_and_huge_distances(mode, impl):
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(300, 8, mode=mode, temperature=1e-4, codebook_init="normal", implementation=impl,
+                          chunk_size=7)
+    z = (torch.randn(2, 8, 4, 4) * 250).requires_grad_(True)  # squared distances ~ 1e6
+    out = quant(z)
+    assert out.terms["distortion"] > 1e5
+    (out.quantized.sum() + out.loss).backward()
+    for t in [out.quantized, out.loss, z.grad, quant.weight.grad, *out.terms.values()]:
+        assert torch.isfinite(t).all()
+
+
+def test_straight_through_output_and_encoder_gradient_unchanged():
+    """straight_through: ẑ is not differentiable, z only gets the straight-through + commitment gradient."""
+    torch.manual_seed(0)
+    w = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(30, 4, dtype=torch.float64, requires_grad=True)
+    a = ddcl_assign(z, w, 0.5, codebook_only=True, implementation="fused", chunk_size=4)
+    assert not a.soft.requires_grad and a.distortion.requires_grad
+    a.distortion.backward()
+    assert z.grad is None and w.grad is not None
+
+
+def test_first_argmax_is_exactly_argmax_with_ties():
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 5, 127, 128, 256, 300, 1000, 1024):
+        x = torch.randint(0, 4, (33, k), generator=g).float()
+        assert torch.equal(first_argmax(x), x.argmax(1)), k
+        assert torch.equal(first_argmin(x), x.argmin(1)), k
+
+
+def test_blocks_are_deterministic_and_thread_settings_untouched():
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    z = torch.randn(500, 6)
+    w = torch.randn(70, 6)
+    runs = []
+    for _ in range(2):
+        zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        a = ddcl_assign(zz, ww, 0.2, implementation="chunked", chunk_size=16)
+        (a.soft.sum() + a.distortion).backward()
+        runs.append((a.soft, a.distortion, a.soft_counts, zz.grad, ww.grad))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    assert torch.get_num_threads() == threads
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert seen == [threads]                               # new threads start from the same default
+
+
+def test_bf16_autocast_fused_computes_in_float32():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(300, 16, temperature=0.05, codebook_init="normal", implementation="fused")
+    conv = torch.nn.Conv2d(3, 16, 1)
+    x = torch.randn(4, 3, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = conv(x)
+        out = quant(z)
+    assert torch.equal(out.indices, quant(z.float()).indices)
+    assert out.loss.dtype == torch.float32 and out.terms["distortion"].dtype == torch.float32
+    out.loss.backward()
+    assert quant.weight.grad.dtype == torch.float32 and torch.isfinite(quant.weight.grad).all()
