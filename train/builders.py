@@ -16,7 +16,7 @@ from .config import Config, QuantizerConfig, TrainConfig
 def build_quantizer(q: QuantizerConfig, dim: int) -> Quantizer:
     if q.type == "ddcl":
         return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, mode=q.mode, beta=q.beta,
-                             codebook_init=q.codebook_init)
+                             codebook_init=q.codebook_init, implementation=q.implementation)
     if q.type == "hard":
         return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
     if q.type == "ema":

@@ -57,6 +57,7 @@ class QuantizerConfig:
     mode: str = "straight_through"
     temperature: float = 0.01                # relative to D: softmax(-d / (temperature * D))
     codebook_init: str = "uniform"
+    implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
     # ddcl, hard, ema
     beta: float = 0.25                       # commitment weight
     # hard
@@ -113,6 +114,7 @@ CHOICES = {
     "quantizer.type": ("ddcl", "hard", "ema", "vqp"),
     "quantizer.mode": ("soft", "straight_through", "soft_straight_through"),
     "quantizer.codebook_init": ("uniform", "normal", "kmeans"),
+    "quantizer.implementation": ("auto", "reference", "fused", "chunked"),
     "quantizer.distance": ("euclidean", "cosine"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.temperature_schedule": ("constant", "cosine", "exponential"),
