@@ -360,19 +360,21 @@ def headline(rows: Sequence[Dict]) -> List[str]:
         at_k = [r for r in rows if r["num_codes"] == k]
         base = [r for r in at_k if r["type"] != "ddcl"]
         ddcl = [r for r in at_k if r["type"] == "ddcl"]
-        parts = [f"K = {k}:"]
-        if base:
-            b = max(base, key=lambda r: r["hard_psnr"])
-            parts.append(f"best baseline {b['name']} {b['hard_psnr']:.2f} dB at {b['utilization']:.1%} utilization;")
+        parts = []
+        b = max(base, key=lambda r: r["hard_psnr"]) if base else None
+        if b:
+            parts.append(f"best baseline {b['name']} {b['hard_psnr']:.2f} dB at {b['utilization']:.1%} utilization")
         if ddcl:
             d = max(ddcl, key=lambda r: r["hard_psnr"])
-            parts.append(f"best DDCL {d['name']} {d['hard_psnr']:.2f} dB at {d['utilization']:.1%} utilization"
-                         f" ({d['dead_codes']} dead)")
-            if base:
-                parts[-1] += f", {d['hard_psnr'] - b['hard_psnr']:+.2f} dB vs the best baseline;"
+            text = f"best DDCL {d['name']} {d['hard_psnr']:.2f} dB at {d['utilization']:.1%} utilization ({d['dead_codes']} dead)"
+            if b:
+                text += f", {d['hard_psnr'] - b['hard_psnr']:+.2f} dB vs the best baseline"
+            parts.append(text)
+            u = max(ddcl, key=lambda r: (r["utilization"], r["hard_psnr"]))
+            parts.append(f"highest DDCL utilization {u['name']} {u['utilization']:.1%} ({u['hard_psnr']:.2f} dB)")
             full = [r["name"] for r in ddcl if r["dead_codes"] == 0]
-            parts.append(f"DDCL arms with 0 dead codes: {', '.join(full) if full else 'none'}.")
-        lines.append("- " + " ".join(parts))
+            parts.append(f"DDCL arms with 0 dead codes: {', '.join(full) if full else 'none'}")
+        lines.append(f"- K = {k}: " + "; ".join(parts) + ".")
     return lines
 
 
