@@ -160,15 +160,21 @@ def _softmax(logits: Tensor, out: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- block runner
 #
-# Blocks are independent except for K-sized accumulators, so on CPU they are spread over
-# a small pool of worker threads, each running its share of blocks with single-threaded
-# ops (static round-robin, so the float sums are deterministic). Compared with running
-# every small op on all intra-op threads, this removes one fork/join barrier per op —
-# dozens per block — which matters when the cores are shared with other jobs.
+# Blocks are independent except for K-sized accumulators. On CPU a call runs entirely on a
+# small pool of worker threads whose ops are single-threaded: worker 0 does the set-up,
+# every worker takes a static round-robin share of the blocks (so float sums are
+# deterministic), worker 0 reduces and finishes. Compared with running every op on all
+# intra-op threads, this replaces one fork/join barrier per op — dozens per block — by
+# two barriers per call, which matters most when the cores are shared with other jobs.
 
 _POOL = None
 _POOL_KEY = None
-_POOL_LOCK = threading.Lock()
+_POOL_LOCK = threading.Lock()     # creating the pool
+_CALL_LOCK = threading.Lock()     # one call at a time on the pool (its tasks wait for each other)
+
+#: spread blocks over worker threads on CPU (False: one loop in the calling thread,
+#: intra-op parallel ops)
+PARALLEL_BLOCKS = True
 
 
 def _init_worker(barrier: threading.Barrier) -> None:
@@ -199,87 +205,119 @@ def _pool(size: int):
 
 
 def num_workers(x: Tensor, num_blocks: int) -> int:
-    """Workers for a blocked loop: the intra-op thread count on CPU (1 elsewhere)."""
+    """Workers for a blocked call: the caller's intra-op thread count on CPU, else 1."""
     if x.device.type != "cpu" or num_blocks < 2 or not PARALLEL_BLOCKS:
         return 1
     return max(1, min(torch.get_num_threads(), num_blocks))
 
 
-#: spread blocks over worker threads on CPU (False: one loop, intra-op parallel ops)
-PARALLEL_BLOCKS = True
-
-
-def _run_blocks(bounds, workers: int, make_state, body):
-    """Run ``body(state, i0, i1)`` for every block; returns the per-worker states."""
+def _execute(x: Tensor, num_blocks: int, setup, make_state, body, finish):
+    """setup() -> c (with c.bounds); body(c, state, i0, i1) per block; finish(c, states) -> result."""
+    workers = num_workers(x, num_blocks)
     if workers <= 1:
-        st = make_state()
-        for i0, i1 in bounds:
-            body(st, i0, i1)
-        return [st]
-    states = [make_state() for _ in range(workers)]
+        c = setup()
+        st = make_state(c)
+        for i0, i1 in c.bounds:
+            body(c, st, i0, i1)
+        return finish(c, [st])
+    shared = {}
+    barrier = threading.Barrier(workers)
 
-    def loop(st, share):
-        with torch.no_grad():
-            for i0, i1 in share:
-                body(st, i0, i1)
+    def task(rank):
+        try:
+            with torch.no_grad():
+                if rank == 0:
+                    shared["c"] = setup()
+                barrier.wait()
+                c = shared["c"]
+                st = make_state(c)
+                for i0, i1 in c.bounds[rank::workers]:
+                    body(c, st, i0, i1)
+                shared[rank] = st
+                barrier.wait()
+                if rank == 0:
+                    return finish(c, [shared[r] for r in range(workers)])
+                return None
+        except BaseException:
+            barrier.abort()          # release the others instead of leaving them waiting
+            raise
 
     pool = _pool(workers)
-    futures = [pool.submit(loop, states[t], bounds[t::workers]) for t in range(workers)]
-    for f in futures:
-        f.result()
-    return states
+    with _CALL_LOCK:
+        futures = [pool.submit(task, r) for r in range(workers)]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except threading.BrokenBarrierError as err:
+                errors.append(err)
+            except BaseException as err:  # the real failure goes first
+                errors.insert(0, err)
+        if errors:
+            raise errors[0]
+    return futures[0].result()
 
 
 def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
              eager_codebook_grad: bool):
     n, dim = z.shape
     k = w.shape[0]
-    blk = _Blocks(z, w, scale, rows)
-    soft_c = z.new_empty(n, dim)
-    indices = torch.empty(n, dtype=torch.long, device=z.device)
-    qdot = z.new_empty(n)                       # Σ_k q ℓ = −(Σ_k q d)/s per row
-    qwn = z.new_empty(n)                        # Σ_k q ‖wc‖² per row
-    logits_all = z.new_empty(n, k) if store_logits else None
-    width = blk.width
 
-    def make_state():
-        st = dict(za=blk.new_za(), q=z.new_empty(width, k), counts=z.new_zeros(k),
-                  l=None if store_logits else z.new_empty(width, k))
+    def setup():
+        c = _Blocks(z, w, scale, rows)
+        c.soft_c = z.new_empty(n, dim)              # ẑ − centre (kept for backward)
+        c.soft = z.new_empty(n, dim)                # ẑ (the output)
+        c.indices = torch.empty(n, dtype=torch.long, device=z.device)
+        c.qdot = z.new_empty(n)                     # Σ_k q ℓ = −(Σ_k q d)/s per row
+        c.qwn = z.new_empty(n)                      # Σ_k q ‖wc‖² per row
+        c.row_ols = z.new_empty(n)                  # ‖zc − ẑc‖² per row
+        c.soft_sq = z.new_empty(n)                  # ‖ẑc‖² per row
+        c.logits_all = z.new_empty(n, k) if store_logits else None
+        return c
+
+    def make_state(c):
+        st = dict(za=c.new_za(), q=z.new_empty(c.width, k), counts=z.new_zeros(k),
+                  l=None if store_logits else z.new_empty(c.width, k), diff=z.new_empty(c.width, dim))
         if eager_codebook_grad:
-            st["acc"] = z.new_zeros(dim + 2, k)  # [zcᵀ e ; colsum(e) ; ·], e = ∂(Σ_k q d)/∂d
+            st["acc"] = z.new_zeros(dim + 2, k)      # [zcᵀ e ; colsum(e) ; ·], e = ∂(Σ_k q d)/∂d
         return st
 
-    def body(st, i0, i1):
+    def body(c, st, i0, i1):
         m = i1 - i0
-        za = blk.centred(st["za"], i0, i1)
-        lg = blk.logits(za, logits_all[i0:i1] if store_logits else st["l"][:m])
-        indices[i0:i1] = first_argmax(lg)
+        za = c.centred(st["za"], i0, i1)
+        lg = c.logits(za, c.logits_all[i0:i1] if store_logits else st["l"][:m])
+        c.indices[i0:i1] = first_argmax(lg)
         q = _softmax(lg, st["q"][:m])
-        qd = torch.linalg.vecdot(q, lg, out=qdot[i0:i1])
+        qd = torch.linalg.vecdot(q, lg, out=c.qdot[i0:i1])
         st["counts"].add_(q.sum(0))
-        torch.mm(q, blk.wc, out=soft_c[i0:i1])
-        torch.mv(q, blk.wn, out=qwn[i0:i1])
+        sc = torch.mm(q, c.wc, out=c.soft_c[i0:i1])
+        torch.mv(q, c.wn, out=c.qwn[i0:i1])
+        torch.add(sc, c.center, out=c.soft[i0:i1])
+        diff = torch.sub(za[:, :dim], sc, out=st["diff"][:m])
+        torch.linalg.vecdot(diff, diff, out=c.row_ols[i0:i1])
+        torch.linalg.vecdot(sc, sc, out=c.soft_sq[i0:i1])
         if eager_codebook_grad:
             # e_ik = q_ik (1 − (d_ik − Σ_k q d)/s) = q_ik (1 − Σ_k q ℓ + ℓ_ik)
             e = lg.add_((1.0 - qd)[:, None]).mul_(q)
             st["acc"].addmm_(za.t(), e)
 
-    states = _run_blocks(blk.bounds, num_workers(z, len(blk.bounds)), make_state, body)
-    counts = states[0]["counts"]
-    for st in states[1:]:
-        counts.add_(st["counts"])
-    zc_all = z - blk.center
-    row_dist = qdot.mul_(-scale)
-    ols = (zc_all - soft_c).pow_(2).sum(1).mean()
-    variance = qwn.sub_(soft_c.pow(2).sum(1)).clamp_min_(0.0).mean()
-    state = dict(soft_c=soft_c, row_dist=row_dist, logits=logits_all)
-    if eager_codebook_grad:
-        acc = states[0]["acc"]
+    def finish(c, states):
+        counts = states[0]["counts"]
         for st in states[1:]:
-            acc.add_(st["acc"])
-        # ∂L/∂w_k = −(2/N) Σ_i e_ik (zc_i − wc_k) with L = mean_i Σ_k q d; backward scales by g.
-        state["codebook_grad"] = (acc[:dim].t() - acc[dim][:, None] * blk.wc).mul_(-2.0 / n)
-    return soft_c + blk.center, indices, (row_dist.mean(), ols, variance), counts, state
+            counts.add_(st["counts"])
+        row_dist = c.qdot.mul_(-scale)
+        ols = c.row_ols.mean()
+        variance = c.qwn.sub_(c.soft_sq).clamp_min_(0.0).mean()  # Σ q‖wc‖² − ‖ẑc‖² (parallel axis)
+        state = dict(soft_c=c.soft_c, row_dist=row_dist, logits=c.logits_all)
+        if eager_codebook_grad:
+            acc = states[0]["acc"]
+            for st in states[1:]:
+                acc.add_(st["acc"])
+            # ∂L/∂w_k = −(2/N) Σ_i e_ik (zc_i − wc_k), L = mean_i Σ_k q d; backward scales by g.
+            state["codebook_grad"] = (acc[:dim].t() - acc[dim][:, None] * c.wc).mul_(-2.0 / n)
+        return c.soft, c.indices, (row_dist.mean(), ols, variance), counts, state
+
+    return _execute(z, -(-n // rows), setup, make_state, body, finish)
 
 
 def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optional[Tensor],
@@ -287,19 +325,22 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
               need_z: bool, need_w: bool):
     n, dim = z.shape
     k = w.shape[0]
-    blk = _Blocks(z, w, scale, rows)
     inv_s = 1.0 / scale
     gn = 0.0 if g_dist is None else float(g_dist) / n      # g / N
-    width = blk.width
-    grad_z = z.new_empty(n, dim) if need_z else None
-    if g_soft is not None:
-        # bracket_ik = α_i − G_i·wc_k/s  from  [G, α] @ [−wcᵀ/s ; 1]
-        rhs = w.new_empty(dim + 1, k)
-        torch.mul(blk.wc.t(), -inv_s, out=rhs[:dim])
-        rhs[dim].fill_(1.0)
 
-    def make_state():
-        st = dict(za=blk.new_za(), qp=z.new_empty(2 * width, k),   # [q ; dd] stacked for one matmul
+    def setup():
+        c = _Blocks(z, w, scale, rows)
+        c.grad_z = z.new_empty(n, dim) if need_z else None
+        if g_soft is not None:
+            # bracket_ik = α_i − G_i·wc_k/s  from  [G, α] @ [−wcᵀ/s ; 1]
+            c.rhs = w.new_empty(dim + 1, k)
+            torch.mul(c.wc.t(), -inv_s, out=c.rhs[:dim])
+            c.rhs[dim].fill_(1.0)
+        return c
+
+    def make_state(c):
+        width = c.width
+        st = dict(za=c.new_za(), qp=z.new_empty(2 * width, k),    # [q ; dd] stacked for one matmul
                   l=z.new_empty(width, k) if logits_all is None else None,
                   acc=z.new_zeros(dim + 1, k) if need_w else None)
         if g_soft is not None:
@@ -309,11 +350,11 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
             st["r"] = z.new_empty(width, dim + 1)                   # [−2 zc, 1]
         return st
 
-    def body(st, i0, i1):
+    def body(c, st, i0, i1):
         m = i1 - i0
-        za = blk.centred(st["za"], i0, i1)
+        za = c.centred(st["za"], i0, i1)
         zc = za[:, :dim]
-        lg = logits_all[i0:i1] if logits_all is not None else blk.logits(za, st["l"][:m])
+        lg = logits_all[i0:i1] if logits_all is not None else c.logits(za, st["l"][:m])
         qp = st["qp"]
         q = _softmax(lg, qp[:m])
         p = qp[m:2 * m]
@@ -324,7 +365,7 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
             ga = st["ga"][:m]
             ga[:, :dim] = gs
             torch.add(r * inv_s, gn, out=ga[:, dim])
-            torch.mm(ga, rhs, out=p)
+            torch.mm(ga, c.rhs, out=p)
             if gn != 0.0:
                 p.add_(lg, alpha=gn)                        # −(g/N) d/s = (g/N) ℓ
         else:
@@ -332,7 +373,7 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
             torch.add(alpha[:, None], lg, alpha=gn, out=p)
         dd = p.mul_(q)
         if need_z:
-            gz = torch.mm(dd, blk.wc, out=grad_z[i0:i1])
+            gz = torch.mm(dd, c.wc, out=c.grad_z[i0:i1])
             gz.mul_(-2.0).addcmul_(zc, dd.sum(1, keepdim=True), value=2.0)
         if need_w:
             if g_soft is not None:
@@ -348,15 +389,17 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
                 rb[:, dim] = 1.0
                 st["acc"].addmm_(rb.t(), dd)
 
-    states = _run_blocks(blk.bounds, num_workers(z, len(blk.bounds)), make_state, body)
-    grad_w = None
-    if need_w:
-        acc = states[0]["acc"]
-        for st in states[1:]:
-            acc.add_(st["acc"])
-        # ∂/∂w_k = (qᵀG)_k − 2 (ddᵀzc)_k + 2 colsum(dd)_k wc_k
-        grad_w = acc[:dim].t().addcmul(acc[dim][:, None], blk.wc, value=2.0)
-    return grad_z, grad_w
+    def finish(c, states):
+        grad_w = None
+        if need_w:
+            acc = states[0]["acc"]
+            for st in states[1:]:
+                acc.add_(st["acc"])
+            # ∂/∂w_k = (qᵀG)_k − 2 (ddᵀzc)_k + 2 colsum(dd)_k wc_k
+            grad_w = acc[:dim].t().addcmul(acc[dim][:, None], c.wc, value=2.0)
+        return c.grad_z, grad_w
+
+    return _execute(z, -(-n // rows), setup, make_state, body, finish)
 
 
 class DDCLFunction(torch.autograd.Function):

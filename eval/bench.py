@@ -71,18 +71,19 @@ IMPLS = {
     "emavq": "EMAVQ (EMA codebook)",
     "vqp": "vector-quantize-pytorch VectorQuantize (defaults)",
 }
-# cost model for the estimates: (matmul units, N×K elementwise passes, N×K float tensors alive at peak)
+# cost model for the estimates, fitted to runs on a 2-core EPYC: (matmuls of N×D·D×K, other N×K work
+# counted in D=64-matmul equivalents, N×K float tensors alive at the peak)
 COST = {
     "matmul6": (6.0, 0.0, 0.0),
-    "ddcl-reference": (3.0, 40.0, 8.0),
-    "ddcl-fused": (3.0, 8.0, 0.0),
-    "ddcl-chunked": (3.0, 8.0, 0.0),
-    "ddcl-soft-reference": (6.0, 50.0, 9.0),
-    "ddcl-soft-fused": (6.0, 12.0, 1.0),
-    "ddcl-soft-chunked": (7.0, 14.0, 0.0),
-    "hardvq": (1.0, 16.0, 3.0),
-    "emavq": (1.0, 16.0, 3.0),
-    "vqp": (2.0, 24.0, 6.0),
+    "ddcl-reference": (3.0, 23.0, 8.0),
+    "ddcl-fused": (3.0, 3.0, 0.0),
+    "ddcl-chunked": (3.0, 3.0, 0.0),
+    "ddcl-soft-reference": (6.0, 24.0, 9.0),
+    "ddcl-soft-fused": (6.0, 3.5, 1.0),
+    "ddcl-soft-chunked": (7.0, 3.5, 0.0),
+    "hardvq": (1.0, 7.5, 3.0),
+    "emavq": (1.0, 8.0, 3.0),
+    "vqp": (2.0, 15.0, 6.0),
 }
 FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6,
                  "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
@@ -173,9 +174,9 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     if name == "matmul6":
         z, w, gr = inp.z.detach(), inp.codebook, inp.grad
         q = torch.rand(n, k)
-        p = torch.empty(n, k)
-        out_nd = torch.empty(n, d)
-        out_kd = torch.empty(k, d)
+        p = torch.zeros(n, k)                  # touched now: no page faults inside the timed run
+        out_nd = torch.zeros(n, d)
+        out_kd = torch.zeros(k, d)
 
         def step():
             torch.mm(z, w.t(), out=p)          # forward: logits
@@ -218,38 +219,26 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
 
 # ----------------------------------------------------------------------------- estimates
 
-def calibrate() -> Tuple[float, float]:
-    """(seconds per flop of a D=64 matmul, seconds per element of an N×K elementwise pass)."""
-    a, b = torch.randn(2048, 64), torch.randn(64, 2048)
-    out = torch.empty(2048, 2048)
+def calibrate() -> float:
+    """Seconds per flop of a D=64 matmul (median of 5 runs of 4096×64 · 64×4096)."""
+    a, b = torch.randn(4096, 64), torch.randn(64, 4096)
+    out = torch.empty(4096, 4096)
     torch.mm(a, b, out=out)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    per_flop = (time.perf_counter() - t0) / 3 / (2 * 2048 * 64 * 2048)
-    x = torch.randn(256, 4096)
-    torch.softmax(x, 1)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        torch.softmax(x, 1)
-    per_elem = (time.perf_counter() - t0) / 3 / x.numel() / 3   # softmax ≈ 3 passes
-    return per_flop, per_elem
+    return statistics.median(_time(lambda: torch.mm(a, b, out=out)) for _ in range(5)) / (2 * 4096 * 64 * 4096)
 
 
-def estimate(name: str, n: int, d: int, k: int, cal: Tuple[float, float]) -> Tuple[float, float]:
+def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float, float]:
     """(seconds for one run, extra bytes at peak) — rough, for skipping and repeat counts."""
-    units, passes, tensors = COST[name]
-    per_flop, per_elem = cal
-    eff = 1.0 if d <= 64 else 0.8            # wider matmuls run nearer peak
-    seconds = units * 2 * n * d * k * per_flop * eff + passes * n * k * per_elem
+    units, other, tensors = COST[name]
+    unit64 = 2 * n * 64 * k * per_flop            # one N×64·64×K matmul
+    wide = (d / 64) * (0.8 if d > 64 else 1.0)     # wider matmuls run nearer peak
+    seconds = (units * wide + other) * unit64
     extra = tensors * n * k * 4 + 8 * n * d * 4
     if name in ("ddcl-fused", "ddcl-chunked", "ddcl-soft-fused", "ddcl-soft-chunked"):
         from ddcl_vq.fused import chunk_rows
-        extra += 4 * chunk_rows(n, k) * k * 4
+        extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers
     if name == "matmul6":
         extra += 2 * n * k * 4                # its N×K operands live outside the probe, but must fit
-    if name == "vqp":
-        seconds *= 1.0 + 0.3 * (k >= 8192)
     return seconds, extra
 
 
@@ -264,11 +253,12 @@ class Plan:
     warmup: int
     repeats: int
     skip: Optional[str] = None
+    probe: str = "separate"      # "separate" run after warm-up, "warmup" (the probed warm-up run), "timed"
 
 
 def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int,
                       repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
-                      cal: Tuple[float, float]) -> List[Plan]:
+                      cal: float) -> List[Plan]:
     plans = []
     for shape in shapes:
         for name in impls:
@@ -280,9 +270,12 @@ def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[st
                 p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
             else:
                 runs = max(1, int(budget_seconds // max(est_s, 1e-6)))
-                if runs < warmup + repeats + 1:
-                    p.warmup = 0 if runs < 3 else 1
-                    p.repeats = max(1, runs - p.warmup - 1)
+                if runs >= warmup + repeats + 1:
+                    pass                                   # warm-up, a probed run, timed repeats
+                elif runs >= 2:                            # probe the warm-up run, time the rest
+                    p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
+                else:                                      # one cold run, timed and probed
+                    p.warmup, p.repeats, p.probe = 0, 1, "timed"
             plans.append(p)
     return plans
 
@@ -320,9 +313,14 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
     live = [p for p in live if p.name in steps]
     # warm-up (first calls pay one-time costs), then the memory probe, then timed rounds
     for p in live:
-        for _ in range(p.warmup):
-            steps[p.name]()
-        if memory == "rss" and (p.warmup > 0 or p.repeats > 1):
+        for i in range(p.warmup):
+            if memory == "rss" and p.probe == "warmup" and i == p.warmup - 1:
+                probe.start()
+                steps[p.name]()
+                peak[p.name] = probe.stop()
+            else:
+                steps[p.name]()
+        if memory == "rss" and p.probe == "separate":
             probe.start()
             steps[p.name]()
             peak[p.name] = probe.stop()
@@ -332,7 +330,7 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         for p in live:
             if r >= p.repeats:
                 continue
-            if memory == "rss" and p.warmup == 0 and p.repeats == 1:
+            if memory == "rss" and p.probe == "timed":
                 probe.start()                 # single cold run: time and memory from the same run
                 times[p.name].append(_time(steps[p.name]))
                 peak[p.name] = probe.stop()
@@ -344,7 +342,7 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         ms = statistics.median(times[p.name]) * 1e3
         rows.append(dict(impl=p.name, N=n, D=d, K=k, ms=round(ms, 3),
                          peak_mb=None if peak[p.name] is None else round(peak[p.name], 1),
-                         runs=len(times[p.name]), warmup=p.warmup, est_s=round(p.est_s, 2)))
+                         runs=len(times[p.name]), warmup=p.warmup, probe=p.probe, est_s=round(p.est_s, 2)))
     for name, msg in errors.items():
         rows.append(dict(impl=name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=f"error: {msg}"))
         if progress is not None:
@@ -438,18 +436,23 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
         for _ in range(warmup):
             s()
     times = {label: [] for label in steps}
-    for _ in range(repeats):
-        for label, s in steps.items():
-            times[label].append(_time(s))
+    for r in range(repeats):
+        order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
+        for label in order:
+            times[label].append(_time(steps[label]))
     med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
     n = batch * 8 * 8
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
         q = models[label][0].quantizer
         impl = q.resolve_implementation(n) if hasattr(q, "resolve_implementation") else None
+        # the ratio of the medians, and the median of the per-round ratios (robust to a
+        # neighbour's load changing between rounds: both steps of a round share it)
+        paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, ms=round(med[label], 3), peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source,
-                        ratio_vs_hardvq=round(med[label] / med["hardvq"], 3)))
+                        ratio_vs_hardvq=round(med[label] / med["hardvq"], 3),
+                        paired_ratio_vs_hardvq=round(paired, 3)))
     return out
 
 
@@ -505,8 +508,12 @@ def format_table(rows: List[dict]) -> str:
         note = []
         if r.get("runs") == 1 and not r.get("warmup"):
             note.append("single cold run")
+        elif r.get("probe") == "warmup":
+            note.append(f"{r['runs']} run(s) after warm-up; memory from the warm-up run")
         if "ratio_vs_hardvq" in r:
-            note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step" + (f", path={r['path']}" if r.get("path") else ""))
+            note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step (median of per-round ratios "
+                        f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds)"
+                        + (f", path={r['path']}" if r.get("path") else ""))
         lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
                      + "; ".join(note))
     return "\n".join(lines)
@@ -552,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="skip a measurement whose single run is estimated above this (default 300; quick 20)")
     p.add_argument("--budget-seconds", type=float, default=None,
-                   help="cut repeats so one measurement takes about this long (default 60; quick 4)")
+                   help="cut repeats so one measurement takes about this long (default 20; quick 5)")
     p.add_argument("--max-memory-gb", type=float, default=None,
                    help="skip what would need more than this (default: 75%% of MemAvailable)")
     p.add_argument("--memory", choices=("rss", "subprocess", "none"), default="rss",
@@ -560,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--no-e2e", action="store_true", help="skip the VQ-VAE training-step comparison")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (estimated seconds and memory, runs, skips) and exit without measuring")
     p.add_argument("--_probe", nargs=4, metavar=("IMPL", "N", "D", "K"), help=argparse.SUPPRESS)
     return p
 
@@ -578,7 +587,7 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
               e2e_batch: int = 128, e2e_reference: bool = True, progress: bool = False,
-              calibration: Optional[Tuple[float, float]] = None) -> List[dict]:
+              calibration: Optional[float] = None) -> List[dict]:
     """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step); returns rows with ratios."""
     if memory == "rss" and not RssProbe.available():
         memory = "subprocess"
@@ -623,13 +632,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     warmup = args.warmup if args.warmup is not None else 1
     repeats = args.repeats if args.repeats is not None else (3 if quick else 5)
     max_seconds = args.max_seconds if args.max_seconds is not None else (20.0 if quick else 300.0)
-    budget = args.budget_seconds if args.budget_seconds is not None else (4.0 if quick else 60.0)
+    budget = args.budget_seconds if args.budget_seconds is not None else (5.0 if quick else 20.0)
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
+    if args.dry_run:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        cal = calibrate()
+        mb = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
+        plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
+                                  budget_seconds=budget, mem_budget=mb, cal=cal)
+        total = 0.0
+        for p in plans:
+            runs = 0 if p.skip else p.warmup + p.repeats + (p.probe == "separate")
+            total += runs * p.est_s
+            print(f"{p.name:<22} N={p.shape[0]:<6} D={p.shape[1]:<4} K={p.shape[2]:<6} est {p.est_s:8.2f} s/run "
+                  f"{p.est_bytes / 2**20:9.0f} MiB  " + (f"skip ({p.skip})" if p.skip else f"runs {runs}"))
+        print(f"estimated total: {total / 60:.1f} min (plus the VQ-VAE step unless --no-e2e)")
+        return 0
     t0 = time.perf_counter()
     meta = machine()
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
-                     e2e=not args.no_e2e, e2e_repeats=3 if quick else 7, e2e_warmup=1 if quick else 2,
+                     e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
                      e2e_reference=not quick, progress=not args.no_progress)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
