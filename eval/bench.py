@@ -258,7 +258,7 @@ class Plan:
 
 def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int,
                       repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
-                      cal: float) -> List[Plan]:
+                      cal: float, probe_warmup: bool = False) -> List[Plan]:
     plans = []
     for shape in shapes:
         for name in impls:
@@ -270,7 +270,9 @@ def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[st
                 p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
             else:
                 runs = max(1, int(budget_seconds // max(est_s, 1e-6)))
-                if runs >= warmup + repeats + 1:
+                if probe_warmup and warmup > 0 and runs >= warmup + repeats:
+                    p.probe = "warmup"                     # quick: the last warm-up run is probed
+                elif runs >= warmup + repeats + 1:
                     pass                                   # warm-up, a probed run, timed repeats
                 elif runs >= 2:                            # probe the warm-up run, time the rest
                     p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
@@ -531,7 +533,8 @@ DDCL rows: ddcl-<path> = default mode straight_through; ddcl-soft-<path> = soft 
 
 MEMORY_TEXT = {
     "rss": "resident-set high-water mark above the baseline with inputs allocated (malloc_trim, then\n"
-           "      /proc/self/clear_refs resets VmHWM; VmHWM − VmRSS), one probed run after warm-up.",
+           "      /proc/self/clear_refs resets VmHWM; VmHWM − VmRSS) over one probed run: a separate run after\n"
+           "      warm-up unless the note says it was the warm-up run or a single cold run.",
     "subprocess": "ru_maxrss growth of one run in a fresh Python process, inputs allocated first.",
     "none": "not measured (--memory none).",
 }
@@ -554,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", metavar="N,D,K", help="measure these shapes instead of the grid")
     p.add_argument("--impls", nargs="+", choices=sorted(IMPLS), metavar="IMPL",
                    help=f"subset of implementations (default all): {', '.join(IMPLS)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; quick 3)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per measurement (default 1)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="skip a measurement whose single run is estimated above this (default 300; quick 20)")
@@ -587,14 +590,15 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
               e2e_batch: int = 128, e2e_reference: bool = True, progress: bool = False,
-              calibration: Optional[float] = None) -> List[dict]:
+              calibration: Optional[float] = None, probe_warmup: bool = False) -> List[dict]:
     """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step); returns rows with ratios."""
     if memory == "rss" and not RssProbe.available():
         memory = "subprocess"
     cal = calibrate() if calibration is None else calibration
     mem_budget = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal)
+                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal,
+                              probe_warmup=probe_warmup)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -630,7 +634,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K]
     impls = args.impls or list(IMPLS)
     warmup = args.warmup if args.warmup is not None else 1
-    repeats = args.repeats if args.repeats is not None else (3 if quick else 5)
+    repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
     max_seconds = args.max_seconds if args.max_seconds is not None else (20.0 if quick else 300.0)
     budget = args.budget_seconds if args.budget_seconds is not None else (5.0 if quick else 20.0)
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
@@ -640,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cal = calibrate()
         mb = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
         plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                                  budget_seconds=budget, mem_budget=mb, cal=cal)
+                                  budget_seconds=budget, mem_budget=mb, cal=cal, probe_warmup=quick)
         total = 0.0
         for p in plans:
             runs = 0 if p.skip else p.warmup + p.repeats + (p.probe == "separate")
@@ -654,7 +658,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
                      e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
-                     e2e_reference=not quick, progress=not args.no_progress)
+                     e2e_reference=not quick, progress=not args.no_progress, probe_warmup=quick)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
