@@ -191,7 +191,7 @@ def test_quick_study_end_to_end(tmp_path):
 def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
     util = load_study(ROOT / "configs" / "study_utilization.yaml")
     names = [a.name for a in util.arms]
-    assert len(names) == 21 and names[0] == "ddcl_st_k1024" and "vqp_kmeans_expiry_k4096" in names
+    assert len(names) == 24 and names[0] == "ddcl_st_k1024" and "vqp_kmeans_expiry_k4096" in names
     vqp = next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config
     assert vqp.quantizer.vqp == {"kmeans_init": True, "threshold_ema_dead_code": 2}
     modes = {a.config.quantizer.mode for a in util.arms if a.config.quantizer.type == "ddcl"}
