@@ -33,11 +33,17 @@ Two memory policies for the full gradient:
 * ``"chunked"`` keeps only O(N·D + K·D) tensors and recomputes d and q per block in
   backward (one extra N×D·D×K matmul), so extra memory is O(chunk·K).
 
+On CPU the blocks of one call run on a small pool of worker threads (as many as the
+caller's torch intra-op threads), each with single-threaded ops: two synchronisations per
+call instead of a fork/join per op, which keeps the cores busy even when they are shared.
+
 Both produce the same values as the reference path up to float rounding: same centring
-on the codebook mean, same clamped expansion ‖z‖² − 2 z·w + ‖w‖², same stable softmax,
-hard indices are the exact first argmin of the same distances, and the reported terms are
-computed as in the reference (distortion = Σ q d, ols = ‖z − ẑ‖², variance = Σ q‖w‖² − ‖ẑ‖²
-clamped at 0), so distortion = ols + variance holds to rounding.
+on the codebook mean, same clamped expansion ‖z‖² − 2 z·w + ‖w‖² (here summed inside one
+augmented matmul), same stable softmax kernel; hard indices are the first minimum of the
+computed distances (an exact argmin; only codes tied to within rounding can come out
+differently from the reference's own rounding); the reported terms are computed as in the
+reference (distortion = Σ q d, ols = ‖z − ẑ‖², variance = Σ q‖w‖² − ‖ẑ‖² clamped at 0),
+so distortion = ols + variance holds to rounding.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 IMPLEMENTATIONS = ("auto", "reference", "fused", "chunked")
 
@@ -175,6 +182,17 @@ _CALL_LOCK = threading.Lock()     # one call at a time on the pool (its tasks wa
 #: spread blocks over worker threads on CPU (False: one loop in the calling thread,
 #: intra-op parallel ops)
 PARALLEL_BLOCKS = True
+
+
+def _reset_after_fork() -> None:
+    """A forked child has none of the parent's worker threads, and its locks may be held."""
+    global _POOL, _POOL_KEY, _POOL_LOCK, _CALL_LOCK
+    _POOL, _POOL_KEY = None, None
+    _POOL_LOCK, _CALL_LOCK = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _init_worker(barrier: threading.Barrier) -> None:
@@ -432,6 +450,7 @@ class DDCLFunction(torch.autograd.Function):
         return soft, dist, ols, var, indices, counts
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_soft, g_dist, _g_ols=None, _g_var=None, _g_idx=None, _g_counts=None):
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nothing = (None, None, None, None, None, None)
@@ -471,6 +490,14 @@ def ddcl_assign(z: Tensor, codebook: Tensor, scale: float, *, codebook_only: boo
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
     dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    if z.shape[0] == 0:  # nothing to block; the reference path gives the same empty results
+        from .ddcl import soft_assignment
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            zz = z.to(dtype)
+            a = soft_assignment(zz.detach() if codebook_only else zz, codebook.to(dtype), scale)
+        return FastAssignment(soft=a.soft.detach() if codebook_only else a.soft, indices=a.indices,
+                              distortion=a.distortion, ols=a.ols.detach(), variance=a.variance.detach(),
+                              soft_counts=a.q.detach().sum(0))
     rows = chunk_rows(z.shape[0], codebook.shape[0], chunk_size)
     with torch.autocast(device_type=z.device.type, enabled=False):
         zz = z.to(dtype).contiguous()

@@ -224,3 +224,26 @@ def test_bf16_autocast_fused_computes_in_float32():
     assert out.loss.dtype == torch.float32 and out.terms["distortion"].dtype == torch.float32
     out.loss.backward()
     assert quant.weight.grad.dtype == torch.float32 and torch.isfinite(quant.weight.grad).all()
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked"])
+def test_empty_batch_behaves_like_reference(impl):
+    for mode in ("soft", "straight_through"):
+        ref = DDCLQuantizer(8, 4, mode=mode, implementation="reference")
+        quant = DDCLQuantizer(8, 4, mode=mode, implementation=impl)
+        quant.weight.data.copy_(ref.weight.data)
+        for q in (ref, quant):
+            z = torch.randn(0, 4, 3, 3, requires_grad=True)
+            out = q(z)
+            (out.quantized.sum() + out.loss).backward()
+            assert out.quantized.shape == z.shape and out.indices.shape == (0, 3, 3)
+            assert torch.isnan(out.loss) and torch.equal(q.weight.grad, torch.zeros_like(q.weight))
+
+
+def test_double_backward_is_refused_not_silently_wrong():
+    z = torch.randn(12, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    a = ddcl_assign(z, w, 0.5, chunk_size=4)
+    (gz,) = torch.autograd.grad(a.soft.sum() + a.distortion, z, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gz.sum().backward()
