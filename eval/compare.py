@@ -112,7 +112,8 @@ def settings_text(cfg) -> str:
         tau = f"τ={q.temperature:g}"
         if t.temperature_schedule != "constant":
             tau = f"τ={q.temperature:g}→{t.temperature_final:g} ({t.temperature_schedule})"
-        return f"{q.mode}, {tau}, ρ={t.codebook_lr_ratio:g}"
+        init = "" if q.codebook_init == "uniform" else f", {q.codebook_init} init"
+        return f"{q.mode}, {tau}, ρ={t.codebook_lr_ratio:g}{init}"
     if q.type == "hard":
         extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
@@ -285,7 +286,7 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
             ax.set_yticks([])
         axes[i, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=6)
     fig.suptitle(f"First {n} {split} images, decoded from hard codes", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (0.9 * len(rows))))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

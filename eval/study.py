@@ -388,14 +388,19 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict) -> str:
               f"downsamplings, D = {b.model.latent_dim}; {b.train.steps} steps, lr {b.train.lr:g} "
               f"({b.train.lr_schedule}), seed {b.run.seed}")
     ev = study.eval
+    stamps = sorted(Path(r["run"], "checkpoints", "last.pt").stat().st_mtime for r in rows
+                    if Path(r["run"], "checkpoints", "last.pt").is_file())
+    when = (lambda t: _dt.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds"))
+    trained = (f"final checkpoints of the arms in the table written between {when(stamps[0])} and {when(stamps[-1])}"
+               if stamps else "no checkpoint found")
     lines = [f"# Study: {study.name}", ""]
     if study.description:
         lines += [study.description, ""]
     lines += [f"- Command: `{info['command']}`",
               f"- Config: `{study.path}`" + (" with `--quick` (tiny model and budget: a smoke test, not a result)"
                                              if study.quick else ""),
-              f"- Date: {info['date_start']} → {info['date_end']} ({info['wall_seconds'] / 60:.1f} min for this "
-              "invocation; finished arms are not retrained)",
+              f"- Date: this report {info['date_start']} → {info['date_end']} ({info['wall_seconds'] / 60:.1f} min "
+              f"for this invocation; finished arms are not retrained); {trained}",
               f"- Machine at start: {info['machine_start']}",
               f"- Machine at end: {info['machine_end']}",
               f"- Shared budget (every arm): {budget}",
