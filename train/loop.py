@@ -184,7 +184,8 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
             if writer is not None:
                 writer.add_histogram("usage/code_counts", torch.tensor(window_stats.counts, dtype=torch.float32), step)
         if is_main and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
-            record = {"step": step, "time": round(time.time() - t_start, 3), "loss": loss.item(),
+            record = {"step": step, "time": round(time.time() - t_start, 3), "wall": round(time.time(), 3),
+                      "loss": loss.item(),
                       "recon_mse": recon_loss.item(), "quantizer_loss": out.quantizer.loss.item(),
                       "perplexity_batch": float(out.quantizer.perplexity),
                       "lr": optimizer.param_groups[0]["lr"], "codebook_lr": optimizer.param_groups[-1]["lr"]}
@@ -197,7 +198,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             for k, v in record.items():
-                if k not in ("step", "time"):
+                if k not in ("step", "time", "wall"):
                     writer.add_scalar(k.replace("term_", "terms/"), v, step)
             if progress is not None:
                 progress.set_postfix(loss=f"{record['loss']:.4f}", ppl=f"{record['perplexity_batch']:.0f}",
