@@ -8,6 +8,8 @@ from .base import Quantizer, QuantizerOutput
 from .ddcl import DDCLQuantizer, SoftAssignment, soft_assignment
 from .ema import EMAVQ
 from .hard import HardVQ
+from .readout import (CompressorOutput, DDCLReadout, HierarchicalCompressor, ReadoutOutput,
+                      prototype_param_groups)
 from .usage import USAGE_DEFINITIONS, CodebookUsage, UsageStats
 from .vqp import VQPQuantizer
 
@@ -17,4 +19,5 @@ __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "SoftAssignment", "soft_assignment",
     "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
+    "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
 ]
