@@ -15,6 +15,10 @@ same assignment and decomposition code as :class:`~ddcl_vq.DDCLQuantizer`, no se
    sequence's prototype histogram h_b (a bag-of-prototypes readout). Cost is O(T·K·D) per
    sequence — linear in T, no T×T term. The loss is the DDCL distortion over the batch's
    real tokens, L_q = mean Σ_k q d = L_OLS + V (exact), reported with its two parts.
+   Defaults chosen by measurement (``ddcl-vq readout-study``, docs/readme_readout.md): the
+   distortion is computed on sg(tokens) (it trains the prototypes; the encoder learns from the
+   task), the outputs carry a straight-through token gradient (values stay the soft summaries),
+   prototypes start from k-means on the first batch, τ = 0.1, prototype lr ratio ρ = 10.
 
 2. :class:`HierarchicalCompressor` summarises a long sequence in stages: stage s cuts its
    input (B, T_s, D) into consecutive windows of ``windows[s]`` tokens and replaces every
