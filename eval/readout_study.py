@@ -451,14 +451,8 @@ def report(results: Dict) -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from eval.machine import cpu_model
+    cpu = cpu_model()
     return (f"{os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
             f"no GPU used")
 

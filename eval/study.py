@@ -217,14 +217,8 @@ def arm_status(arm: Arm) -> str:
 
 def machine_description() -> str:
     import torch
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from eval.machine import cpu_model
+    cpu = cpu_model()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{os.cpu_count()} CPU cores ({cpu}), {gpu}; torch {torch.__version__} with "
