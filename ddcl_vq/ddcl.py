@@ -204,7 +204,7 @@ class DDCLQuantizer(Quantizer):
         indices = unflatten(idx, last_shape, self.channel_dim)
         return QuantizerOutput(quantized=quantized, indices=indices, loss=loss, terms=terms,
                                perplexity=batch_perplexity(idx, self.num_codes),
-                               soft_counts=counts)
+                               soft_counts=counts.detach())
 
     def soft_codes(self, z: Tensor) -> Tensor:
         """The soft codes ẑ in the input layout, whatever the mode (for soft-code evaluation)."""
