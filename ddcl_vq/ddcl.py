@@ -99,8 +99,11 @@ class DDCLQuantizer(Quantizer):
             ``"chunked"``: like fused but recomputes per block in backward, extra memory
             O(chunk_size·K); ``"auto"`` (default): fused, or chunked when the N×K tensor fused
             would keep exceeds ``chunk_threshold_bytes``.
-        chunk_size: rows per block for fused/chunked (default: about 2**18 / K rows).
-        chunk_threshold_bytes: the ``"auto"`` switch point (default 256 MiB).
+        chunk_size: rows per block for fused/chunked (default: about 2**18 / K rows, 64 to 1024).
+        chunk_threshold_bytes: the ``"auto"`` switch point (default 64 MiB, e.g. N·K = 16M in
+            float32). Measured on a 2-core CPU: at D = 64 recomputing the logits per block is
+            about as fast as keeping them; at D = 256 keeping them is ~15% faster; above the
+            threshold memory wins.
 
     Shapes: ``forward(z)`` with z (B, D, H, W) returns quantized (B, D, H, W) and indices (B, H, W).
     """
@@ -109,7 +112,7 @@ class DDCLQuantizer(Quantizer):
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_init: str = "uniform", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
-                 chunk_threshold_bytes: int = 256 * 2 ** 20):
+                 chunk_threshold_bytes: int = 64 * 2 ** 20):
         super().__init__(num_codes, dim, channel_dim)
         if mode not in MODES:
             raise ValueError(f"expected mode in {MODES}, got {mode!r}")

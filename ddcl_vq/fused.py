@@ -59,9 +59,9 @@ from torch.autograd.function import once_differentiable
 IMPLEMENTATIONS = ("auto", "reference", "fused", "chunked")
 
 #: rows per block are chosen so that one (rows × K) block has about this many elements …
-CHUNK_ELEMENTS = 1 << 19
+CHUNK_ELEMENTS = 1 << 18
 #: … but never fewer rows than this (skinny matmuls are slow) nor more than this.
-MIN_CHUNK_ROWS = 128
+MIN_CHUNK_ROWS = 64
 MAX_CHUNK_ROWS = 1024
 #: block width for the exact two-level argmin (see :func:`first_argmin`).
 _ARGMIN_BLOCK = 128
