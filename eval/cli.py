@@ -57,7 +57,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ddcl-vq: unknown command {name!r}; expected one of: {', '.join(commands)}", file=sys.stderr)
         return 2
     module = importlib.import_module(commands[name][0])
-    return int(module.main(rest) or 0)
+    code = int(module.main(rest) or 0)
+    import torch.distributed as dist
+    if code == 0 and dist.is_available() and dist.is_initialized():  # a command run under torchrun
+        dist.barrier()  # after success only: a barrier after a failure could hang
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -219,4 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.loop import teardown_distributed
+    code = main()
+    if code == 0:
+        teardown_distributed()
+    sys.exit(code)

@@ -36,8 +36,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        from .loop import train
+        from .loop import teardown_distributed, train
         train(cfg, quiet=args.quiet, stop_after=args.stop_after)
+        teardown_distributed()  # after success only: a barrier after a failure could hang
     except (ConfigError, DataUnavailable, CheckpointError) as err:
         print(f"ddcl-vq train: error: {err}", file=sys.stderr)
         return 2

@@ -49,6 +49,16 @@ def setup_distributed(device_pref: str) -> Dict:
     return {"rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1, "device": device}
 
 
+def teardown_distributed() -> None:
+    """Wait for every process, then destroy the process group (if one was started).
+
+    Leaving a gloo/NCCL group alive at interpreter exit can abort the process
+    ('terminate called without an active exception'), so every command ends with this."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _rng_state(device: torch.device) -> Dict:
     state = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
