@@ -7,6 +7,7 @@ from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapt
 from .base import Quantizer, QuantizerOutput
 from .ddcl import DDCLQuantizer, SoftAssignment, soft_assignment
 from .ema import EMAVQ
+from .fused import FastAssignment, ddcl_assign
 from .hard import HardVQ
 from .readout import (CompressorOutput, DDCLReadout, HierarchicalCompressor, ReadoutOutput,
                       prototype_param_groups)
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "SoftAssignment", "soft_assignment",
+    "ddcl_assign", "FastAssignment",
     "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
     "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
 ]
