@@ -2,12 +2,24 @@
 
 Pure torch + einops: no file system, no torchvision, nothing from the rest of the repository,
 so the package can be copied into another code base as it is.
+
+Modules, each importing only those below it:
+
+    adapters                 drop-in replacements for other code bases' quantizers
+    ddcl, readout            DDCLQuantizer (chooses the assignment path, owns τ and its schedule);
+                             DDCLReadout, HierarchicalCompressor
+    assignment               the DDCL assignment: reference, fused and chunked paths, one result type
+    cpu_pool                 the CPU worker pool the blocked paths run on (set_parallel_blocks)
+    hard, ema, vqp           baseline quantizers
+    base, kmeans, usage, distributed
+                             the Quantizer interface and (N, D) reshapes, k-means init, codebook
+                             usage statistics, torch.distributed helpers
 """
 from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapter, swap_quantizer
+from .assignment import Assignment, assign
 from .base import Quantizer, QuantizerOutput
-from .ddcl import DDCLQuantizer, SoftAssignment, soft_assignment
+from .ddcl import DDCLQuantizer
 from .ema import EMAVQ
-from .fused import FastAssignment, ddcl_assign
 from .hard import HardVQ
 from .readout import (CompressorOutput, DDCLReadout, HierarchicalCompressor, ReadoutOutput,
                       prototype_param_groups)
@@ -18,8 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
-    "Quantizer", "QuantizerOutput", "DDCLQuantizer", "SoftAssignment", "soft_assignment",
-    "ddcl_assign", "FastAssignment",
+    "Quantizer", "QuantizerOutput", "DDCLQuantizer", "Assignment", "assign",
     "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
     "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
 ]

@@ -34,9 +34,10 @@ What changes is the quantizer, not its interface:
   schedule); ``.last_output`` is the last :class:`~ddcl_vq.QuantizerOutput`, detached, so the
   terms (``distortion``, ``ols``, ``variance``, ``commitment``) and ``soft_counts`` can be logged.
 - ``state_dict`` keys are the host's own (taming/diffusers: ``embedding.weight`` [+ ``used``];
-  notebook: ``_embedding.weight``): the DDCL ``initialized`` flag is not saved, and loading a
-  codebook marks it initialised. A checkpoint trained with the swap therefore loads strictly
-  into the swapped host *and* into the plain host (which then decodes the same hard codes).
+  notebook: ``_embedding.weight``): the DDCL ``initialized`` flag and temperature schedule are
+  not saved, and loading a codebook marks it initialised. A checkpoint trained with the swap
+  therefore loads strictly into the swapped host *and* into the plain host (which then decodes
+  the same hard codes).
 
 Nothing here imports diffusers, taming or vector_quantize_pytorch: hosts are recognised by
 class name and public attributes.
@@ -70,6 +71,7 @@ def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], pr
     # under the host's name, so checkpoints keep the host's keys (and safetensors accepts them).
     if module._host_codebook_key != "ddcl.weight":
         state_dict.pop(prefix + "ddcl.weight", None)
+    state_dict.pop(prefix + "ddcl._extra_state", None)  # the temperature schedule: the host has none
 
 
 def _restore_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,
@@ -90,6 +92,7 @@ class _DDCLAdapter(nn.Module):
         self.ddcl = ddcl
         # Not saved: state_dicts keep the host's keys; loading a codebook marks it initialised.
         ddcl.register_buffer("initialized", ddcl.initialized, persistent=False)
+        ddcl.register_buffer("schedule_step", ddcl.schedule_step, persistent=False)
         self.last_output: Optional[QuantizerOutput] = None
         self.register_state_dict_post_hook(_drop_ddcl_weight_key)
         self.register_load_state_dict_pre_hook(_restore_ddcl_weight_key)

@@ -4,13 +4,20 @@ A quantizer maps encoder features to codes. Input layout is channel-first maps
 (B, D, H, W) — or any (B, D, *spatial) — by default, or channel-last (..., D) with
 ``channel_dim=-1``. Internally every quantizer works on a flat (N, D) matrix of
 vectors; :func:`flatten` and :func:`unflatten` are the two reshapes.
+
+Code outside ``ddcl_vq`` (training loop, models, evaluation) asks a :class:`Quantizer` for
+what it needs instead of testing for a concrete class: ``has_soft_codes`` / :meth:`soft_codes`,
+the per-step hook :meth:`step`, extra scalars to log (:meth:`log_stats`) and settings to print
+in reports (:meth:`describe`). The defaults are neutral (no soft codes, nothing to advance,
+nothing extra), so a quantizer overrides only what it has.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 
@@ -60,7 +67,7 @@ def flatten(z: Tensor, dim: int, channel_dim: int) -> Tuple[Tensor, Tuple[int, .
             raise ValueError(
                 f"expected channel size D={dim} at dim 1 of (B, D, *spatial), "
                 f"got shape {tuple(z.shape)}")
-        z_last = torch.movedim(z, 1, -1)
+        z_last = rearrange(z, "b d ... -> b ... d")
     elif channel_dim == -1:
         if z.dim() < 1 or z.shape[-1] != dim:
             raise ValueError(
@@ -71,7 +78,7 @@ def flatten(z: Tensor, dim: int, channel_dim: int) -> Tuple[Tensor, Tuple[int, .
     if not torch.isfinite(z).all():
         bad = (~torch.isfinite(z)).sum().item()
         raise ValueError(f"expected finite encoder features, got {bad} NaN/Inf value(s)")
-    return z_last.reshape(-1, dim), tuple(z_last.shape)
+    return rearrange(z_last, "... d -> (...) d"), tuple(z_last.shape)
 
 
 def unflatten(x: Tensor, last_shape: Tuple[int, ...], channel_dim: int) -> Tensor:
@@ -79,7 +86,7 @@ def unflatten(x: Tensor, last_shape: Tuple[int, ...], channel_dim: int) -> Tenso
     if x.dim() == 1:
         return x.reshape(last_shape[:-1])
     x = x.reshape(last_shape)
-    return torch.movedim(x, -1, 1) if channel_dim == 1 else x
+    return rearrange(x, "b ... d -> b d ...") if channel_dim == 1 else x
 
 
 def batch_perplexity(indices: Tensor, num_codes: int) -> Tensor:
@@ -100,7 +107,8 @@ def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
 
 
 class Quantizer(nn.Module):
-    """Base class: subclasses implement ``forward(z) -> QuantizerOutput`` and ``codebook``."""
+    """Base class: subclasses implement ``forward(z) -> QuantizerOutput`` and ``codebook``, and
+    override the hooks below (soft codes, per-step hook, extra statistics) when they have them."""
 
     num_codes: int
     dim: int
@@ -132,7 +140,29 @@ class Quantizer(nn.Module):
                 f"expected indices in [0, {self.num_codes - 1}], got values in "
                 f"[{int(indices.min())}, {int(indices.max())}]")
         codes = self.codebook[indices.long()]  # (*idx, D)
-        return torch.movedim(codes, -1, 1) if self.channel_dim == 1 and codes.dim() > 2 else codes
+        return rearrange(codes, "b ... d -> b d ...") if self.channel_dim == 1 and codes.dim() > 2 else codes
+
+    # ------------------------------------------------------------------ what callers may ask
+    #: True when :meth:`soft_codes` returns soft codes (DDCL); callers check it before asking.
+    has_soft_codes: bool = False
+
+    def soft_codes(self, z: Tensor) -> Optional[Tensor]:
+        """Soft codes for ``z`` in the input layout, or None for a quantizer without them."""
+        return None
+
+    def step(self) -> None:
+        """Per-step hook: called once after every optimizer step in training (advances schedules,
+        counters). No-op by default."""
+
+    def log_stats(self) -> Dict[str, float]:
+        """Extra scalars to log beside ``loss``/``terms`` for the last training step (e.g. DDCL's
+        ``temperature``). Empty by default."""
+        return {}
+
+    def describe(self) -> Dict[str, Any]:
+        """Settings that identify the quantizer in reports, beside type, num_codes and dim
+        (e.g. DDCL's ``mode`` and current ``temperature``). Empty by default."""
+        return {}
 
     def extra_repr(self) -> str:
         return f"num_codes={self.num_codes}, dim={self.dim}, channel_dim={self.channel_dim}"

@@ -1,7 +1,7 @@
 """DDCL readout layer for transformer encoders, and a hierarchical compressor built from it.
 
 DDCL-Attention (arXiv 2604.03850) uses the quantizer's soft prototype assignment in two
-more places, both implemented here on top of :func:`ddcl_vq.ddcl.soft_assignment` (the
+more places, both implemented here on top of :func:`ddcl_vq.assignment.assign` (the
 same assignment and decomposition code as :class:`~ddcl_vq.DDCLQuantizer`, no second copy):
 
 1. :class:`DDCLReadout` replaces mean pooling or a class token at the end of an encoder.
@@ -15,9 +15,9 @@ same assignment and decomposition code as :class:`~ddcl_vq.DDCLQuantizer`, no se
    sequence's prototype histogram h_b (a bag-of-prototypes readout). Cost is O(T·K·D) per
    sequence — linear in T, no T×T term. The loss is the DDCL distortion over the batch's
    real tokens, L_q = mean Σ_k q d = L_OLS + V (exact), reported with its two parts.
-   Defaults chosen by measurement (``ddcl-vq readout-study``, docs/readme_readout.md): the
-   distortion is computed on sg(tokens) (it trains the prototypes; the encoder learns from the
-   task), the outputs carry a straight-through token gradient (values stay the soft summaries),
+   Defaults chosen by measurement (``ddcl-vq readout-study``; README, section "DDCL readout
+   and hierarchical compressor"): the distortion is computed on sg(tokens) (it trains the
+   prototypes; the encoder learns from the task), the outputs carry a straight-through token gradient (values stay the soft summaries),
    prototypes start from k-means on the first batch, τ = 0.1, prototype lr ratio ρ = 10.
 
 2. :class:`HierarchicalCompressor` summarises a long sequence in stages: stage s cuts its
@@ -45,14 +45,14 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .assignment import assign
 from .base import batch_perplexity, compute_dtype
-from .ddcl import soft_assignment
 from .kmeans import kmeans_init_
 
 PROTOTYPE_INITS = ("normal", "kmeans")
 READOUT_MODES = ("soft", "straight_through")
 
-# Measured with `ddcl-vq readout-study` (see docs/readme_readout.md): the default
+# Measured with `ddcl-vq readout-study` (README, "DDCL readout and hierarchical compressor"): the default
 # temperature and prototype learning-rate ratio of the readout.
 DEFAULT_TEMPERATURE = 0.1
 DEFAULT_PROTOTYPE_LR_RATIO = 10.0
@@ -165,7 +165,7 @@ class DDCLReadout(nn.Module):
             quantizer's ``straight_through`` codebook rule): it trains the prototypes, and the
             encoder learns from the task loss alone (through q). True: the paper's joint form, the
             distortion also pulls the encoder's tokens toward the prototypes. Measured on
-            Fashion-MNIST (docs/readme_readout.md): the joint form trains the classifier slower
+            Fashion-MNIST (README, readout section): the joint form trains the classifier slower
             (its V term sharpens q, which cuts the task gradient through q) and at τ = 1 collapses
             (every token on one prototype).
         task_grad_to_prototypes: True (default): the task loss also moves the prototypes (through
@@ -176,10 +176,10 @@ class DDCLReadout(nn.Module):
             as the gradient through q (s + x − sg(x)), as the quantizer's straight-through mode.
             ``"soft"`` (the paper's readout): the task gradient reaches the tokens only through q,
             whose sensitivity ∝ Cov_q(w)/(τ·D) fades as assignments sharpen. Measured: the
-            straight-through form classifies better (docs/readme_readout.md).
-        Unless both flags are True, the loss terms come from a second call of ``soft_assignment``
-        with their own gradient paths (same values; the readout's O(N·K·D) cost doubles, still
-        small next to an encoder layer).
+            straight-through form classifies better (README, readout section).
+        Unless both flags are True, the loss terms come from a second
+        :func:`~ddcl_vq.assignment.assign` call with their own gradient paths (same values; the
+        readout's O(N·K·D) cost doubles, still small next to an encoder layer).
         prototype_init: ``"kmeans"`` (default: k-means on the real tokens of the first forward in
             training mode) or ``"normal"`` N(0, 1). Measured: with N(0, 1) prototypes the winner
             of the first steps moves to the token cloud and takes every token (q_ik of the far
@@ -237,11 +237,11 @@ class DDCLReadout(nn.Module):
                 self.initialized.fill_(True)
             w = self.prototypes.to(dtype)
             scale = self.temperature * self.dim
-            a = soft_assignment(x, w if self.task_grad_to_prototypes else w.detach(), scale)
+            a = assign(x, w if self.task_grad_to_prototypes else w.detach(), scale)
             if self.distortion_to_tokens and self.task_grad_to_prototypes:
                 terms = a
             else:  # the loss terms come from a second assignment with their own gradient paths
-                terms = soft_assignment(x if self.distortion_to_tokens else x.detach(), w, scale)
+                terms = assign(x if self.distortion_to_tokens else x.detach(), w, scale)
             counts = mask.sum(1)                                         # (B,) real tokens per row
             row = torch.repeat_interleave(torch.arange(b, device=tokens.device), counts)
             denom = counts.to(dtype)[:, None]
@@ -258,7 +258,7 @@ class DDCLReadout(nn.Module):
         return ReadoutOutput(
             pooled=pooled.to(out_dtype), soft=soft.to(out_dtype), assignments=assignments, indices=indices,
             mask=mask, histogram=histogram, loss=loss, distortion=terms.distortion, ols=terms.ols,
-            variance=terms.variance, soft_counts=a.q.detach().sum(0),
+            variance=terms.variance, soft_counts=a.soft_counts,
             perplexity=batch_perplexity(a.indices, k))
 
     def extra_repr(self) -> str:

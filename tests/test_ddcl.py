@@ -1,8 +1,12 @@
-"""DDCLQuantizer: the exact decomposition, indices, outputs and gradients of every mode."""
+"""DDCLQuantizer: the exact decomposition, indices, outputs and gradients of every mode; its
+temperature schedule; the Quantizer interface's neutral defaults for the baselines."""
+import math
+import warnings
+
 import pytest
 import torch
 
-from ddcl_vq import DDCLQuantizer, HardVQ, soft_assignment
+from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, assign
 
 
 def reference(z_flat, w, tau):
@@ -19,7 +23,7 @@ def make(num_codes=16, dim=8, dtype=torch.float64, seed=0, **kw):
 
 
 def check_identity(z, w, tau, rel):
-    a = soft_assignment(z, w, tau * z.shape[1])
+    a = assign(z, w, tau * z.shape[1])
     lq, ols, var = a.distortion.item(), a.ols.item(), a.variance.item()
     assert var >= 0
     assert abs(lq - (ols + var)) <= rel * max(abs(lq), 1e-300), (lq, ols, var)
@@ -121,13 +125,13 @@ def test_soft_straight_through_forward_hard_gradients_soft():
     assert torch.allclose(grads["soft"][1], grads["soft_straight_through"][1], atol=1e-12)
 
 
-def test_gradcheck_soft_assignment_float64():
+def test_gradcheck_reference_assignment_float64():
     """The differentiable core (soft codes and all three terms) against finite differences."""
     z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
 
     def f(z_, w_):
-        a = soft_assignment(z_, w_, 0.7)
+        a = assign(z_, w_, 0.7)
         return a.soft, a.distortion, a.ols, a.variance
 
     assert torch.autograd.gradcheck(f, (z, w), eps=1e-6, atol=1e-7)
@@ -213,3 +217,84 @@ def test_bf16_autocast_same_indices_and_float32_math():
     assert out.loss.dtype == torch.float32 and out.terms["distortion"].dtype == torch.float32
     agree = (out.indices == ref.indices).float().mean()
     assert agree > 0.95
+
+
+@pytest.mark.parametrize("shape", ["cosine", "exponential"])
+def test_temperature_schedule_advances_one_step_per_call(shape):
+    q = DDCLQuantizer(8, 4, temperature=1.0, temperature_final=0.1, temperature_schedule=shape, schedule_steps=100)
+    seen = []
+    for _ in range(103):
+        seen.append(q.temperature)
+        q.step()
+    expected = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, 100) / 100)) if shape == "cosine"
+                else 0.1 ** (min(s, 100) / 100) for s in range(103)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert seen[0] == 1.0 and seen[100:] == pytest.approx([0.1] * 3)
+    assert int(q.schedule_step) == 103
+
+
+def test_temperature_schedule_is_saved_and_loaded(tmp_path):
+    q = DDCLQuantizer(8, 4, temperature=0.2, temperature_final=0.01, temperature_schedule="cosine", schedule_steps=10)
+    for _ in range(4):
+        q.step()
+    torch.save(q.state_dict(), tmp_path / "q.pt")
+    fresh = DDCLQuantizer(8, 4)                                   # constant 0.01, step 0
+    fresh.load_state_dict(torch.load(tmp_path / "q.pt", weights_only=True))
+    assert (fresh.temperature_start, fresh.temperature_final, fresh.temperature_schedule, fresh.schedule_steps) \
+        == (0.2, 0.01, "cosine", 10)
+    assert int(fresh.schedule_step) == 4 and fresh.temperature == q.temperature
+    assert fresh.describe() == {"mode": "straight_through", "temperature": q.temperature}
+    # the schedule does not depend on the module's dtype
+    assert q.double().temperature == q.float().temperature == fresh.temperature
+
+
+def test_log_stats_report_the_temperature_of_the_last_training_forward():
+    q = DDCLQuantizer(8, 4, temperature=1.0, temperature_final=0.5, temperature_schedule="exponential",
+                      schedule_steps=2, codebook_init="normal")
+    assert q.log_stats() == {"temperature": 1.0}
+    q(torch.randn(3, 4, 2, 2))
+    q.step()
+    assert q.log_stats() == {"temperature": 1.0} and q.temperature == pytest.approx(0.5 ** 0.5)
+
+
+def test_assigning_temperature_fixes_it():
+    q = DDCLQuantizer(8, 4, temperature=1.0, temperature_final=0.5, temperature_schedule="cosine", schedule_steps=2)
+    q.temperature = 0.3
+    q.step()
+    assert q.temperature == 0.3 and q.temperature_schedule == "constant"
+
+
+def test_state_dict_without_schedule_loads():
+    """Checkpoints written before the schedule was saved: constant loads silently, an anneal is
+    taken as finished, with a warning."""
+    src = DDCLQuantizer(8, 4)
+    old = {k: v for k, v in src.state_dict().items() if k in ("weight", "initialized")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DDCLQuantizer(8, 4).load_state_dict(old)                # strict, and no warning
+    annealed = DDCLQuantizer(8, 4, temperature=1.0, temperature_final=0.1, temperature_schedule="cosine",
+                             schedule_steps=10)
+    with pytest.warns(UserWarning, match="finished"):
+        annealed.load_state_dict(old)
+    assert annealed.temperature == pytest.approx(0.1)
+
+
+def test_bad_schedules_are_refused():
+    with pytest.raises(ValueError, match="temperature_schedule"):
+        DDCLQuantizer(8, 4, temperature_schedule="linear")
+    with pytest.raises(ValueError, match="temperature_final"):
+        DDCLQuantizer(8, 4, temperature_schedule="cosine", schedule_steps=10)
+    with pytest.raises(ValueError, match="schedule_steps"):
+        DDCLQuantizer(8, 4, temperature_schedule="cosine", temperature_final=0.1)
+
+
+@pytest.mark.parametrize("cls", [HardVQ, EMAVQ])
+def test_baselines_have_neutral_interface_defaults(cls):
+    q = cls(8, 4)
+    z = torch.randn(2, 4, 3, 3)
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    q.step()
+    assert not q.has_soft_codes and q.soft_codes(z) is None
+    assert q.log_stats() == {} and q.describe() == {}
+    assert all(torch.equal(v, q.state_dict()[k]) for k, v in state.items())
+    assert DDCLQuantizer(8, 4).has_soft_codes

@@ -4,9 +4,9 @@ import threading
 import pytest
 import torch
 
-import ddcl_vq.fused as fused
-from ddcl_vq import DDCLQuantizer, soft_assignment
-from ddcl_vq.fused import DDCLFunction, ddcl_assign, first_argmax, first_argmin
+import ddcl_vq.assignment as assignment
+from ddcl_vq import DDCLQuantizer, assign, cpu_pool
+from ddcl_vq.assignment import DDCLFunction, first_argmax, first_argmin
 
 MODES = ["soft", "straight_through", "soft_straight_through"]
 # (N, K, D, chunk): chunk not dividing N, N < chunk, K = 1, K past the argmax block width
@@ -54,8 +54,8 @@ def test_fused_and_chunked_match_reference(mode, shape, dtype):
 
 
 @pytest.mark.parametrize("codebook_only", [False, True])
-def test_assignment_function_matches_soft_assignment(codebook_only):
-    """ddcl_assign against soft_assignment directly, distortion weight and upstream both on."""
+def test_assign_paths_match_reference(codebook_only):
+    """assign() on every path against the reference, distortion weight and upstream both on."""
     g = torch.Generator().manual_seed(3)
     z = (torch.randn(45, 6, generator=g, dtype=torch.float64) + 40.0)    # far from the origin: centring
     w = torch.randn(23, 6, generator=g, dtype=torch.float64) + 40.0
@@ -63,12 +63,9 @@ def test_assignment_function_matches_soft_assignment(codebook_only):
     grads = []
     for impl in ("reference", "fused", "chunked"):
         zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        if impl == "reference":
-            a = soft_assignment(zz.detach() if codebook_only else zz, ww, 0.4)
-            counts = a.q.sum(0)
-        else:
-            a = ddcl_assign(zz, ww, 0.4, codebook_only=codebook_only, implementation=impl, chunk_size=7)
-            counts = a.soft_counts
+        a = assign(zz, ww, 0.4, codebook_only=codebook_only, implementation=impl, chunk_size=7)
+        assert (a.q is not None) == (impl == "reference")
+        counts = a.soft_counts
         loss = 0.7 * a.distortion + (0 if codebook_only else (a.soft * up).sum())
         loss.backward()
         grads.append((a.soft.detach(), a.distortion.detach(), a.ols, a.variance, counts, a.indices,
@@ -146,13 +143,13 @@ def test_chunked_keeps_nothing_of_size_n_by_k(mode):
 def test_chunked_allocates_only_block_sized_buffers(monkeypatch):
     """Observed with the profiler's allocation tracking: no single N×K-sized allocation."""
     from torch.profiler import ProfilerActivity, profile
-    monkeypatch.setattr(fused, "PARALLEL_BLOCKS", False)   # every op on this (profiled) thread
+    monkeypatch.setattr(cpu_pool, "_ENABLED", False)       # every op on this (profiled) thread
     n, k, d, chunk = 4096, 64, 4, 128
     z = torch.randn(n, d, requires_grad=True)
     w = torch.randn(k, d, requires_grad=True)
     up = torch.randn(n, d)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        a = ddcl_assign(z, w, 0.3, implementation="chunked", chunk_size=chunk)
+        a = assign(z, w, 0.3, implementation="chunked", chunk_size=chunk)
         ((a.soft * up).sum() + a.distortion).backward()
     biggest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < biggest < n * k * 4 // 4, biggest           # blocks are chunk×K, 32× smaller than N×K
@@ -177,8 +174,9 @@ def test_straight_through_output_and_encoder_gradient_unchanged():
     torch.manual_seed(0)
     w = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
     z = torch.randn(30, 4, dtype=torch.float64, requires_grad=True)
-    a = ddcl_assign(z, w, 0.5, codebook_only=True, implementation="fused", chunk_size=4)
+    a = assign(z, w, 0.5, codebook_only=True, implementation="fused", chunk_size=4)
     assert not a.soft.requires_grad and a.distortion.requires_grad
+    assert not (a.ols.requires_grad or a.variance.requires_grad or a.soft_counts.requires_grad)
     a.distortion.backward()
     assert z.grad is None and w.grad is not None
 
@@ -199,7 +197,7 @@ def test_blocks_are_deterministic_and_thread_settings_untouched():
     runs = []
     for _ in range(2):
         zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        a = ddcl_assign(zz, ww, 0.2, implementation="chunked", chunk_size=16)
+        a = assign(zz, ww, 0.2, implementation="chunked", chunk_size=16)
         (a.soft.sum() + a.distortion).backward()
         runs.append((a.soft, a.distortion, a.soft_counts, zz.grad, ww.grad))
     for x, y in zip(*runs):
@@ -243,7 +241,42 @@ def test_empty_batch_behaves_like_reference(impl):
 def test_double_backward_is_refused_not_silently_wrong():
     z = torch.randn(12, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
-    a = ddcl_assign(z, w, 0.5, chunk_size=4)
+    a = assign(z, w, 0.5, implementation="fused", chunk_size=4)
     (gz,) = torch.autograd.grad(a.soft.sum() + a.distortion, z, create_graph=True)
     with pytest.raises(RuntimeError):
         gz.sum().backward()
+
+
+def test_public_softmax_fallback_gives_the_same_results(monkeypatch):
+    """Without torch._softmax (a private function) the blocked paths use torch.softmax + copy."""
+    torch.manual_seed(0)
+    z, w, up = torch.randn(300, 6), torch.randn(40, 6), torch.randn(300, 6)
+    results = []
+    for softmax in (assignment._softmax, assignment._softmax_public):
+        monkeypatch.setattr(assignment, "_softmax", softmax)
+        zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        a = assign(zz, ww, 0.3, implementation="chunked", chunk_size=64)
+        ((a.soft * up).sum() + a.distortion).backward()
+        results.append((a.soft, a.distortion, a.soft_counts, a.indices, zz.grad, ww.grad))
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+
+
+def test_worker_pool_switch():
+    """set_parallel_blocks(False): blocks run in the calling thread; same results to rounding."""
+    torch.manual_seed(0)
+    z, w = torch.randn(2000, 8), torch.randn(64, 8)
+    runs = []
+    for enabled in (True, False):
+        previous = cpu_pool.set_parallel_blocks(enabled)
+        try:
+            assert cpu_pool.parallel_blocks_enabled() is enabled
+            zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            a = assign(zz, ww, 0.2, implementation="fused", chunk_size=100)
+            (a.soft.sum() + a.distortion).backward()
+            runs.append((a.soft, a.distortion, a.soft_counts, zz.grad, ww.grad))
+            assert cpu_pool.num_workers(z, 20) == (min(torch.get_num_threads(), 20) if enabled else 1)
+        finally:
+            cpu_pool.set_parallel_blocks(previous)
+    for x, y in zip(*runs):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)

@@ -1,16 +1,28 @@
-"""Fused and chunked DDCL assignment: one custom autograd Function, analytic backward.
+"""The DDCL assignment: distances, soft assignments, soft codes, hard indices, distortion.
 
-The reference path (:func:`ddcl_vq.ddcl.soft_assignment`) is plain autograd: it keeps
-several N×K tensors alive (distances, assignments, their products) and walks them again
-in backward. This module computes the same quantities in blocks of rows so that each
-N×K block is produced, used and dropped while it is still in cache, and writes the
-backward out by hand (no graph of intermediates).
+One concept, one result type. :func:`assign` maps (N, D) vectors and a (K, D) codebook to an
+:class:`Assignment`; ``implementation`` picks how it is computed (same values and gradients,
+to float rounding):
 
-Math (z_i ∈ R^D centred on the codebook mean, W ∈ R^{K×D}, s = τ·D):
+* ``"reference"``: plain autograd, several N×K tensors kept for backward; the only path that
+  returns the assignment matrix q (and keeps ``ols``/``variance`` differentiable);
+* ``"fused"``: rows in blocks, each N×K block produced, used and dropped while it is still in
+  cache, with the backward written out by hand (:class:`DDCLFunction`); keeps the N×K logits;
+* ``"chunked"``: like fused, but recomputes each block in backward: extra memory O(chunk·K).
+
+Users: :class:`~ddcl_vq.DDCLQuantizer` (which chooses the implementation per batch) and
+:class:`~ddcl_vq.DDCLReadout` (reference path). This module imports neither; on CPU the
+blocks of one call run on :mod:`ddcl_vq.cpu_pool`.
+
+Math (z_i ∈ R^D, W ∈ R^{K×D}, s = τ·D the softmax divisor; z and W are centred on the
+codebook mean first, distances being translation invariant, so that large common offsets do
+not cancel in ‖z‖² − 2 z·w + ‖w‖²):
 
     d_ik = ‖z_i − w_k‖²,  q = softmax_k(−d/s),  ẑ_i = Σ_k q_ik w_k,  L = mean_i Σ_k q_ik d_ik
+    L = L_OLS + V,  L_OLS = mean_i ‖z_i − ẑ_i‖²,  V = mean_i Σ_k q_ik ‖w_k − ẑ_i‖² ≥ 0
 
-With an upstream gradient G (N×D) on ẑ and g on L, the gradient reaching d is
+Analytic backward of the blocked paths. With an upstream gradient G (N×D) on ẑ and g on L,
+the gradient reaching d is
 
     ∂/∂d_ik = (g/N)·q_ik − (q_ik/s)·(G_i·w_k + (g/N)·d_ik − r_i),
     r_i     = Σ_k q_ik (G_i·w_k + (g/N) d_ik) = G_i·ẑ_i + (g/N)·Σ_k q_ik d_ik,
@@ -26,37 +38,31 @@ sees sg(z), only the distortion is differentiated, only w gets gradient) needs a
 backward matmul, and because its only upstream is the scalar g it is computed in the
 forward pass (ddᵀZ is linear in g): backward just scales a K×D tensor, nothing N×K is kept.
 
-Two memory policies for the full gradient:
-
-* ``"fused"`` keeps the logits −d/s (one N×K tensor) for backward and recomputes
-  q = softmax(−d/s) from them block by block;
-* ``"chunked"`` keeps only O(N·D + K·D) tensors and recomputes d and q per block in
-  backward (one extra N×D·D×K matmul), so extra memory is O(chunk·K).
-
-On CPU the blocks of one call run on a small pool of worker threads (as many as the
-caller's torch intra-op threads), each with single-threaded ops: two synchronisations per
-call instead of a fork/join per op, which keeps the cores busy even when they are shared.
-
-Both produce the same values as the reference path up to float rounding: same centring
-on the codebook mean, same clamped expansion ‖z‖² − 2 z·w + ‖w‖² (here summed inside one
-augmented matmul), same stable softmax kernel; hard indices are the first minimum of the
-computed distances (an exact argmin; only codes tied to within rounding can come out
-differently from the reference's own rounding); the reported terms are computed as in the
-reference (distortion = Σ q d, ols = ‖z − ẑ‖², variance = Σ q‖w‖² − ‖ẑ‖² clamped at 0),
-so distortion = ols + variance holds to rounding.
+The blocked paths produce the same values as the reference path up to float rounding: same
+centring, same clamped expansion ‖z‖² − 2 z·w + ‖w‖² (here summed inside one augmented
+matmul), same stable softmax kernel; hard indices are the first minimum of the computed
+distances (an exact argmin; only codes tied to within rounding can come out differently from
+the reference's own rounding); the reported terms are computed as in the reference
+(distortion = Σ q d, ols = ‖z − ẑ‖², variance = Σ q‖w‖² − ‖ẑ‖² clamped at 0), so
+distortion = ols + variance holds to rounding.
 """
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-IMPLEMENTATIONS = ("auto", "reference", "fused", "chunked")
+from .base import squared_distances
+from .cpu_pool import run_blocks
+
+__all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "DDCLFunction", "chunk_rows", "first_argmax",
+           "first_argmin"]
+
+#: how an assignment can be computed (the quantizer adds ``"auto"``: its own choice per batch)
+IMPLEMENTATIONS = ("reference", "fused", "chunked")
 
 #: rows per block are chosen so that one (rows × K) block has about this many elements …
 CHUNK_ELEMENTS = 1 << 18
@@ -101,12 +107,17 @@ def first_argmin(d: Tensor) -> Tensor:
 
 
 @dataclass
-class FastAssignment:
-    """Result of :func:`ddcl_assign` (the fused/chunked counterpart of ``SoftAssignment``).
+class Assignment:
+    """The DDCL assignment of N vectors to a K-code codebook.
 
-    soft: (N, D) soft codes ẑ; indices: (N,) hard argmin; distortion: scalar (differentiable);
-    ols, variance: detached scalars (distortion = ols + variance); soft_counts: (K,) Σ_i q_ik,
-    detached. The N×K assignment matrix q is never materialised as a whole.
+    soft:        (N, D) soft codes ẑ_i = Σ_k q_ik w_k.
+    indices:     (N,) long, hard argmin k*_i.
+    distortion:  scalar L_q = mean_i Σ_k q_ik d_ik (sum over D, mean over vectors), differentiable.
+    ols, variance: scalars L_OLS and V, distortion = ols + variance (to rounding); differentiable
+                 on the reference path, detached on the fused/chunked paths.
+    soft_counts: (K,) Σ_i q_ik, detached (for soft perplexity).
+    q:           (N, K) assignments (rows on the simplex), differentiable; reference path only
+                 (None on the fused/chunked paths, which never hold q as a whole).
     """
 
     soft: Tensor
@@ -115,6 +126,71 @@ class FastAssignment:
     ols: Tensor
     variance: Tensor
     soft_counts: Tensor
+    q: Optional[Tensor] = None
+
+
+def assign(z: Tensor, codebook: Tensor, scale: float, *, implementation: str = "reference",
+           codebook_only: bool = False, chunk_size: Optional[int] = None) -> Assignment:
+    """DDCL assignment of (N, D) vectors ``z`` to a (K, D) ``codebook``.
+
+    scale: the softmax divisor s = τ·D (> 0). ``implementation``: ``"reference"``, ``"fused"``
+    or ``"chunked"`` (see the module docstring). ``codebook_only``: the straight-through mode's
+    assignment — z is treated as constant and only the codebook receives the gradient of the
+    distortion. ``chunk_size``: rows per block on the blocked paths (default: about
+    CHUNK_ELEMENTS / K rows). The reference path computes in the inputs' dtype; the blocked paths
+    keep float64 and compute everything else in float32, with autocast off.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"expected implementation in {IMPLEMENTATIONS}, got {implementation!r}")
+    if not scale > 0:
+        raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
+    if implementation == "reference":
+        a = _reference(z.detach() if codebook_only else z, codebook, scale)
+        a.soft_counts = a.q.detach().sum(0)
+        return a
+    return _blocked(z, codebook, scale, codebook_only, implementation == "fused", chunk_size)
+
+
+def _reference(z: Tensor, codebook: Tensor, scale: float) -> Assignment:
+    """Plain autograd (every intermediate kept by autograd)."""
+    center = codebook.detach().mean(0)
+    zc, wc = z - center, codebook - center
+    d = squared_distances(zc, wc)                       # (N, K)
+    q = torch.softmax(-d / scale, dim=1)                # (N, K), stable (max-subtracted)
+    soft_c = q @ wc                                     # (N, D)
+    distortion = (q * d).sum(1).mean()
+    ols = (zc - soft_c).pow(2).sum(1).mean()
+    # V_i = Σ_k q_ik ‖w_k‖² − ‖ẑ_i‖² (parallel-axis form, centred); ≥ 0 in exact arithmetic.
+    variance = (q @ wc.pow(2).sum(1) - soft_c.pow(2).sum(1)).clamp_min(0).mean()
+    return Assignment(soft=soft_c + center, indices=d.argmin(1), distortion=distortion, ols=ols,
+                      variance=variance, soft_counts=None, q=q)
+
+
+def _blocked(z: Tensor, codebook: Tensor, scale: float, codebook_only: bool, store: bool,
+             chunk_size: Optional[int]) -> Assignment:
+    """The fused (``store``: keep the N×K logits for backward) or chunked path."""
+    if z.dim() != 2 or codebook.dim() != 2 or z.shape[1] != codebook.shape[1]:
+        raise ValueError(f"expected z (N, D) and codebook (K, D), got {tuple(z.shape)} and {tuple(codebook.shape)}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    with torch.autocast(device_type=z.device.type, enabled=False):
+        zz = z.to(dtype)
+        ww = codebook.to(dtype)
+        if codebook_only:
+            zz = zz.detach()
+        if z.shape[0] == 0:  # nothing to block; the reference path gives the same empty results
+            a = _reference(zz, ww, scale)
+            return Assignment(soft=a.soft.detach() if codebook_only else a.soft, indices=a.indices,
+                              distortion=a.distortion, ols=a.ols.detach(), variance=a.variance.detach(),
+                              soft_counts=a.q.detach().sum(0))
+        rows = chunk_rows(z.shape[0], codebook.shape[0], chunk_size)
+        soft, dist, ols, var, indices, counts = DDCLFunction.apply(
+            zz.contiguous(), ww.contiguous(), float(scale), rows, bool(codebook_only), bool(store))
+    return Assignment(soft=soft, indices=indices, distortion=dist, ols=ols, variance=var, soft_counts=counts)
+
+
+# ----------------------------------------------------------------------------- blocked paths
 
 
 class _Blocks:
@@ -160,120 +236,33 @@ class _Blocks:
         return torch.mm(za, self.logit_rhs, out=out).clamp_max_(0.0)
 
 
-def _softmax(logits: Tensor, out: Tensor) -> Tensor:
-    """out ← softmax(logits) along rows (the library's stable, max-subtracted kernel)."""
+def _softmax_public(logits: Tensor, out: Tensor) -> Tensor:
+    """out ← softmax(logits) along rows through the public API (one extra block temporary)."""
+    return out.copy_(torch.softmax(logits, 1))
+
+
+def _softmax_into(logits: Tensor, out: Tensor) -> Tensor:
+    """out ← softmax(logits) along rows, written in place by the library's own kernel."""
     return torch._softmax(logits, 1, False, out=out)
 
 
-# ----------------------------------------------------------------------------- block runner
-#
-# Blocks are independent except for K-sized accumulators. On CPU a call runs entirely on a
-# small pool of worker threads whose ops are single-threaded: worker 0 does the set-up,
-# every worker takes a static round-robin share of the blocks (so float sums are
-# deterministic), worker 0 reduces and finishes. Compared with running every op on all
-# intra-op threads, this replaces one fork/join barrier per op — dozens per block — by
-# two barriers per call, which matters most when the cores are shared with other jobs.
-
-_POOL = None
-_POOL_KEY = None
-_POOL_LOCK = threading.Lock()     # creating the pool
-_CALL_LOCK = threading.Lock()     # one call at a time on the pool (its tasks wait for each other)
-
-#: spread blocks over worker threads on CPU (False: one loop in the calling thread,
-#: intra-op parallel ops)
-PARALLEL_BLOCKS = True
+def _pick_softmax():
+    """The private out= kernel (the one torch.softmax runs) when this torch has it and it agrees
+    with torch.softmax; else the public fallback."""
+    if not hasattr(torch, "_softmax"):
+        return _softmax_public
+    try:
+        probe = torch.tensor([[0.0, 1.0, -2.0]])
+        out = torch.empty_like(probe)
+        _softmax_into(probe, out)
+        if torch.equal(out, torch.softmax(probe, 1)):
+            return _softmax_into
+    except Exception:  # noqa: BLE001 - any failure means: use the public API
+        pass
+    return _softmax_public
 
 
-def _reset_after_fork() -> None:
-    """A forked child has none of the parent's worker threads, and its locks may be held."""
-    global _POOL, _POOL_KEY, _POOL_LOCK, _CALL_LOCK
-    _POOL, _POOL_KEY = None, None
-    _POOL_LOCK, _CALL_LOCK = threading.Lock(), threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _init_worker(barrier: threading.Barrier) -> None:
-    torch.get_num_threads()          # lazy per-thread init first, so the next call sticks
-    torch.set_num_threads(1)         # this thread's OpenMP/MKL setting (thread-local)
-    barrier.wait()
-
-
-def _pool(size: int):
-    """A process-local pool of ``size`` single-threaded workers (recreated after fork)."""
-    global _POOL, _POOL_KEY
-    key = (os.getpid(), size)
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_KEY != key:
-            from concurrent.futures import ThreadPoolExecutor
-            restore = torch.get_num_threads()
-            barrier = threading.Barrier(size + 1)
-            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="ddcl-blocks",
-                                      initializer=_init_worker, initargs=(barrier,))
-            for _ in range(size):
-                pool.submit(lambda: None)
-            barrier.wait()
-            # torch.set_num_threads in the workers also set the process-wide default that
-            # new threads start from; put it back (this thread's own setting is unchanged).
-            torch.set_num_threads(restore)
-            _POOL, _POOL_KEY = pool, key
-        return _POOL
-
-
-def num_workers(x: Tensor, num_blocks: int) -> int:
-    """Workers for a blocked call: the caller's intra-op thread count on CPU, else 1."""
-    if x.device.type != "cpu" or num_blocks < 2 or not PARALLEL_BLOCKS:
-        return 1
-    return max(1, min(torch.get_num_threads(), num_blocks))
-
-
-def _execute(x: Tensor, num_blocks: int, setup, make_state, body, finish):
-    """setup() -> c (with c.bounds); body(c, state, i0, i1) per block; finish(c, states) -> result."""
-    workers = num_workers(x, num_blocks)
-    if workers <= 1:
-        c = setup()
-        st = make_state(c)
-        for i0, i1 in c.bounds:
-            body(c, st, i0, i1)
-        return finish(c, [st])
-    shared = {}
-    barrier = threading.Barrier(workers)
-
-    def task(rank):
-        try:
-            with torch.no_grad():
-                if rank == 0:
-                    shared["c"] = setup()
-                barrier.wait()
-                c = shared["c"]
-                st = make_state(c)
-                for i0, i1 in c.bounds[rank::workers]:
-                    body(c, st, i0, i1)
-                shared[rank] = st
-                barrier.wait()
-                if rank == 0:
-                    return finish(c, [shared[r] for r in range(workers)])
-                return None
-        except BaseException:
-            barrier.abort()          # release the others instead of leaving them waiting
-            raise
-
-    pool = _pool(workers)
-    with _CALL_LOCK:
-        futures = [pool.submit(task, r) for r in range(workers)]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except threading.BrokenBarrierError as err:
-                errors.append(err)
-            except BaseException as err:  # the real failure goes first
-                errors.insert(0, err)
-        if errors:
-            raise errors[0]
-    return futures[0].result()
+_softmax = _pick_softmax()
 
 
 def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
@@ -335,7 +324,7 @@ def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
             state["codebook_grad"] = (acc[:dim].t() - acc[dim][:, None] * c.wc).mul_(-2.0 / n)
         return c.soft, c.indices, (row_dist.mean(), ols, variance), counts, state
 
-    return _execute(z, -(-n // rows), setup, make_state, body, finish)
+    return run_blocks(z, -(-n // rows), setup, make_state, body, finish)
 
 
 def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optional[Tensor],
@@ -417,7 +406,7 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optiona
             grad_w = acc[:dim].t().addcmul(acc[dim][:, None], c.wc, value=2.0)
         return c.grad_z, grad_w
 
-    return _execute(z, -(-n // rows), setup, make_state, body, finish)
+    return run_blocks(z, -(-n // rows), setup, make_state, body, finish)
 
 
 class DDCLFunction(torch.autograd.Function):
@@ -444,9 +433,8 @@ class DDCLFunction(torch.autograd.Function):
             saved = (z, w, st["soft_c"], st["row_dist"]) + ((st["logits"],) if store_logits else ())
             ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(ols, var, indices, counts)
-        if codebook_only:
-            ctx.mark_non_differentiable(soft)
+        # one call: each call replaces the set of non-differentiable outputs
+        ctx.mark_non_differentiable(ols, var, indices, counts, *((soft,) if codebook_only else ()))
         return soft, dist, ols, var, indices, counts
 
     @staticmethod
@@ -469,42 +457,3 @@ class DDCLFunction(torch.autograd.Function):
                                        g_soft, g_dist, need_z, need_w)
         return grad_z, grad_w, None, None, None, None
 
-
-def ddcl_assign(z: Tensor, codebook: Tensor, scale: float, *, codebook_only: bool = False,
-                implementation: str = "fused", chunk_size: Optional[int] = None) -> FastAssignment:
-    """Fused/chunked DDCL assignment of (N, D) vectors to a (K, D) codebook.
-
-    scale: softmax divisor τ·D (> 0). ``implementation``: ``"fused"`` (keeps the N×K
-    distances for backward) or ``"chunked"`` (recomputes them per block; extra memory
-    O(chunk·K)). ``codebook_only``: the straight-through mode's assignment — z is treated
-    as constant and only the codebook receives the gradient of the distortion.
-    ``chunk_size``: rows per block (default: about CHUNK_ELEMENTS / K rows).
-    Float64 stays float64; anything else is computed in float32 with autocast off.
-    """
-    if implementation not in ("fused", "chunked"):
-        raise ValueError(f"expected implementation 'fused' or 'chunked', got {implementation!r}")
-    if not scale > 0:
-        raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
-    if z.dim() != 2 or codebook.dim() != 2 or z.shape[1] != codebook.shape[1]:
-        raise ValueError(f"expected z (N, D) and codebook (K, D), got {tuple(z.shape)} and {tuple(codebook.shape)}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
-    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    if z.shape[0] == 0:  # nothing to block; the reference path gives the same empty results
-        from .ddcl import soft_assignment
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            zz = z.to(dtype)
-            a = soft_assignment(zz.detach() if codebook_only else zz, codebook.to(dtype), scale)
-        return FastAssignment(soft=a.soft.detach() if codebook_only else a.soft, indices=a.indices,
-                              distortion=a.distortion, ols=a.ols.detach(), variance=a.variance.detach(),
-                              soft_counts=a.q.detach().sum(0))
-    rows = chunk_rows(z.shape[0], codebook.shape[0], chunk_size)
-    with torch.autocast(device_type=z.device.type, enabled=False):
-        zz = z.to(dtype).contiguous()
-        ww = codebook.to(dtype).contiguous()
-        if codebook_only:
-            zz = zz.detach()
-        soft, dist, ols, var, indices, counts = DDCLFunction.apply(
-            zz, ww, float(scale), rows, bool(codebook_only), implementation == "fused")
-    return FastAssignment(soft=soft, indices=indices, distortion=dist, ols=ols, variance=var,
-                          soft_counts=counts)
