@@ -110,8 +110,8 @@ def settings_text(cfg) -> str:
     q, t = cfg.quantizer, cfg.train
     if q.type == "ddcl":
         tau = f"τ={q.temperature:g}"
-        if t.temperature_schedule != "constant":
-            tau = f"τ={q.temperature:g}→{t.temperature_final:g} ({t.temperature_schedule})"
+        if q.temperature_schedule != "constant":
+            tau = f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})"
         init = "" if q.codebook_init == "uniform" else f", {q.codebook_init} init"
         return f"{q.mode}, {tau}, ρ={t.codebook_lr_ratio:g}{init}"
     if q.type == "hard":
@@ -127,15 +127,15 @@ def settings_text(cfg) -> str:
 
 def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
     from train.config import load_config
-    cfg = load_config(Path(run_dir) / "config.yaml")
+    cfg = load_config(Path(run_dir) / "config.yaml", migrate=True)
     hard, soft, gap = ev["recon"]["hard"], ev["recon"]["soft"], ev["recon"]["soft_minus_hard"]
     c = ev["codebook"]
     return {
         "name": name, "run": str(run_dir), "type": ev["quantizer"]["type"], "num_codes": ev["quantizer"]["num_codes"],
         "mode": cfg.quantizer.mode if cfg.quantizer.type == "ddcl" else None,
         "temperature": cfg.quantizer.temperature if cfg.quantizer.type == "ddcl" else None,
-        "temperature_schedule": cfg.train.temperature_schedule if cfg.quantizer.type == "ddcl" else None,
-        "temperature_final": cfg.train.temperature_final if cfg.quantizer.type == "ddcl" else None,
+        "temperature_schedule": cfg.quantizer.temperature_schedule if cfg.quantizer.type == "ddcl" else None,
+        "temperature_final": cfg.quantizer.temperature_final if cfg.quantizer.type == "ddcl" else None,
         "codebook_lr_ratio": cfg.train.codebook_lr_ratio,
         "settings": settings_text(cfg),
         "hard_psnr": hard["psnr"], "hard_mse": hard["mse"], "hard_ssim": hard["ssim"], "hard_lpips": hard["lpips"],
@@ -166,7 +166,7 @@ def unique_names(run_dirs: Sequence[Path]) -> List[str]:
     names = []
     for d in run_dirs:
         try:
-            names.append(load_config(Path(d) / "config.yaml").run.name)
+            names.append(load_config(Path(d) / "config.yaml", migrate=True).run.name)
         except Exception:  # noqa: BLE001 - fall back to the folder name
             names.append(Path(d).name)
     if len(set(names)) < len(names):

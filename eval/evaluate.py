@@ -20,8 +20,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ddcl_vq import DDCLQuantizer
-
 from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 
 HELP = """\
@@ -42,10 +40,11 @@ class EvaluateError(RuntimeError):
 def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.device | str = "cpu"):
     """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path).
 
-    For DDCL the temperature is set to the schedule's value at the checkpoint's step (τ is not
-    part of the weights), i.e. the final temperature for a finished run.
+    The quantizer's state comes from the checkpoint, its temperature schedule included (DDCL:
+    τ where training left it, i.e. the final temperature for a finished run). A config.yaml
+    written before the schedule keys moved to ``quantizer.*`` is read with them moved.
     """
-    from train.builders import build_model, temperature_at
+    from train.builders import build_model
     from train.checkpoint import latest_checkpoint
     from train.config import load_config
     from train.data import image_channels
@@ -55,7 +54,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
         raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
-    cfg = load_config(run_dir / "config.yaml", overrides)
+    cfg = load_config(run_dir / "config.yaml", overrides, migrate=True)
     found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu") if (run_dir / "checkpoints").is_dir() else None
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
@@ -66,8 +65,6 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
         model = build_model(cfg, image_channels(cfg.data))
     model.load_state_dict(state["model"])
     step = int(state["step"])
-    if isinstance(model.quantizer, DDCLQuantizer):
-        model.quantizer.temperature = temperature_at(step, cfg.quantizer.temperature, cfg.train)
     return cfg, model.to(device).eval(), step, path
 
 
@@ -119,8 +116,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "num_images": result["num_images"],
         "max_images": max_images,
         "latent_positions_per_image": latent_positions,
-        "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim,
-                      **({"mode": q.mode, "temperature": q.temperature} if isinstance(q, DDCLQuantizer) else {})},
+        "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
         "recon": {"hard": hard, "soft": soft, "soft_minus_hard": _gap(soft, hard)},
         "codebook": {"utilization": usage.utilization, "active_codes": usage.active_codes,
                      "dead_codes": usage.dead_codes, "perplexity": usage.perplexity,

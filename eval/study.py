@@ -201,7 +201,7 @@ def check_run_dir(arm: Arm) -> None:
     cfg_path = Path(arm.config.run.dir) / "config.yaml"
     if not cfg_path.is_file():
         return
-    old = load_config(cfg_path).to_dict()
+    old = load_config(cfg_path, migrate=True).to_dict()
     diff = _diff(old, arm.config.to_dict())
     if diff:
         raise StudyError(f"arm {arm.name!r}: {cfg_path.parent} holds a run with a different config "

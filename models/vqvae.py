@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ddcl_vq import DDCLQuantizer, Quantizer, QuantizerOutput
+from ddcl_vq import Quantizer, QuantizerOutput
 
 
 class ResidualBlock(nn.Module):
@@ -95,13 +95,14 @@ class VQVAE(nn.Module):
 
     @torch.no_grad()
     def reconstruct(self, x: Tensor, codes: str = "hard") -> Tensor:
-        """Reconstruction from ``"hard"`` codes (what a prior or deployed decoder sees) or,
-        for DDCL, from ``"soft"`` codes ẑ."""
+        """Reconstruction from ``"hard"`` codes (what a prior or deployed decoder sees) or, for a
+        quantizer that has them (``quantizer.has_soft_codes``: DDCL), from ``"soft"`` codes ẑ."""
         z = self.encoder(x)
         if codes == "hard":
             return self.decoder(self.quantizer.lookup(self.quantizer(z).indices))
         if codes == "soft":
-            if not isinstance(self.quantizer, DDCLQuantizer):
-                raise ValueError(f"expected a DDCLQuantizer for soft codes, got {type(self.quantizer).__name__}")
+            if not self.quantizer.has_soft_codes:
+                raise ValueError(f"expected a quantizer with soft codes (DDCL) for codes='soft', "
+                                 f"got {type(self.quantizer).__name__}")
             return self.decoder(self.quantizer.soft_codes(z))
         raise ValueError(f"expected codes 'hard' or 'soft', got {codes!r}")

@@ -3,6 +3,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import yaml
 
 from eval import metrics
 from eval.compare import compare
-from eval.evaluate import evaluate_run
+from eval.evaluate import evaluate_run, load_run
 from eval.evaluate import main as evaluate_main
 from eval.study import load_study
 from eval.study import main as study_main
@@ -131,8 +132,32 @@ def test_eval_json_is_consistent(tiny_runs):
     assert gap["psnr"] == pytest.approx(soft["psnr"] - hard["psnr"])
     assert c["soft_perplexity"] is not None and c["min_code_distance"] is not None
     assert ev["rfid"] is None and ev["rfid_note"]
+    assert ev["quantizer"] == {"type": "ddcl", "num_codes": 32, "dim": 8, "mode": "straight_through",
+                               "temperature": 0.01}
     hard_ev = evaluate_run(tiny_runs["hard"], max_images=64, batch_size=64, write=False)
     assert hard_ev["recon"]["soft"] is None and hard_ev["codebook"]["soft_perplexity"] is None
+    assert hard_ev["quantizer"] == {"type": "hard", "num_codes": 32, "dim": 8}
+
+
+def test_load_run_reads_the_saved_schedule_also_of_older_runs(tiny_runs, tmp_path):
+    _, model, step, _ = load_run(tiny_runs["ddcl"])
+    assert model.quantizer.temperature == 0.01 and int(model.quantizer.schedule_step) == step == 6
+    # a run written before the schedule moved into the quantizer: train.* keys, no schedule state
+    old = tmp_path / "old"
+    shutil.copytree(tiny_runs["ddcl"], old)
+    raw = yaml.safe_load((old / "config.yaml").read_text())
+    del raw["quantizer"]["temperature_schedule"], raw["quantizer"]["temperature_final"]
+    raw["quantizer"]["temperature"] = 0.1
+    raw["train"].update(temperature_schedule="cosine", temperature_final=0.02)
+    (old / "config.yaml").write_text(yaml.safe_dump(raw))
+    for ckpt in (old / "checkpoints").glob("*.pt"):
+        state = torch.load(ckpt, weights_only=True)
+        del state["model"]["quantizer.schedule_step"], state["model"]["quantizer._extra_state"]
+        torch.save(state, ckpt)
+    with pytest.warns(UserWarning, match="finished"):
+        cfg, model, _, _ = load_run(old)
+    assert cfg.quantizer.temperature_schedule == "cosine"
+    assert model.quantizer.temperature == pytest.approx(0.02)
 
 
 def test_evaluate_cli_errors(tmp_path, tiny_runs, capsys):

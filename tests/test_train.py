@@ -1,5 +1,6 @@
 """Training on real Fashion-MNIST with tiny budgets: every quantizer, resume, checkpoints, errors."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,10 +13,10 @@ import torch
 
 from models import VQVAE
 from train import data as data_module
-from train.builders import build_model, temperature_at
+from train.builders import build_model
 from train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.cli import main as train_main
-from train.config import Config, ConfigError, load_config
+from train.config import RENAMED, Config, ConfigError, load_config
 from train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
 from train.loop import train
 
@@ -39,19 +40,32 @@ def test_few_step_run_for_each_quantizer(tiny_config, qtype):
 
 
 def test_resume_equals_straight_run(tiny_config, tmp_path):
-    straight = tiny_config("train.steps=20", "train.checkpoint_every=5", run_dir=tmp_path / "a")
+    """10 + 10 steps = 20 steps, the quantizer's temperature schedule included."""
+    schedule = ["train.steps=20", "train.checkpoint_every=5", "quantizer.temperature=0.1",
+                "quantizer.temperature_schedule=cosine", "quantizer.temperature_final=0.01"]
+    straight = tiny_config(*schedule, run_dir=tmp_path / "a")
     train(straight, quiet=True)
-    resumed = tiny_config("train.steps=20", "train.checkpoint_every=5", run_dir=tmp_path / "b")
+    resumed = tiny_config(*schedule, run_dir=tmp_path / "b")
     train(resumed, quiet=True, stop_after=10)
     assert load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")["step"] == 10
     train(resumed, quiet=True)
     a = load_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")
     b = load_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt")
     assert a["step"] == b["step"] == 20
+    assert a["model"].keys() == b["model"].keys()
     for key, value in a["model"].items():
-        assert torch.allclose(value.float(), b["model"][key].float(), atol=1e-6), key
-    steps_b = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps_b == list(range(2, 21, 2))
+        if isinstance(value, torch.Tensor):
+            assert torch.allclose(value.float(), b["model"][key].float(), atol=1e-6), key
+        else:
+            assert value == b["model"][key], key
+    assert int(a["model"]["quantizer.schedule_step"]) == 20
+    records = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+               for run in "ab"}
+    assert [r["step"] for r in records["b"]] == list(range(2, 21, 2))
+    # each record reports the τ its step trained at: the schedule's value before that step
+    tau = [0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * (r["step"] - 1) / 20)) for r in records["a"]]
+    assert [r["temperature"] for r in records["a"]] == pytest.approx(tau, rel=1e-12)
+    assert [r["temperature"] for r in records["b"]] == [r["temperature"] for r in records["a"]]
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
@@ -151,15 +165,27 @@ def test_decode_indices_of_encode_indices_is_hard_reconstruction(tiny_config):
     assert torch.allclose(model.decode_indices(idx), model.reconstruct(x, "hard"))
 
 
-def test_temperature_schedules():
-    cfg = load_config(None, ["train.steps=100", "train.temperature_schedule=cosine", "train.temperature_final=0.1"])
-    assert temperature_at(0, 1.0, cfg.train) == pytest.approx(1.0)
-    assert temperature_at(50, 1.0, cfg.train) == pytest.approx(0.55)
-    assert temperature_at(100, 1.0, cfg.train) == pytest.approx(0.1)
-    cfg.train.temperature_schedule = "exponential"
-    assert temperature_at(50, 1.0, cfg.train) == pytest.approx(0.1 ** 0.5)
-    with pytest.raises(ConfigError, match="temperature_final"):
-        load_config(None, ["train.temperature_schedule=cosine"])
+def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
+    cfg = load_config(None, ["train.steps=100", "quantizer.temperature=1.0", "quantizer.temperature_schedule=cosine",
+                             "quantizer.temperature_final=0.1"])
+    q = build_model(cfg, 1).quantizer
+    assert (q.temperature, q.temperature_final, q.temperature_schedule, q.schedule_steps) == (1.0, 0.1, "cosine", 100)
+    with pytest.raises(ConfigError, match="quantizer.temperature_final"):
+        load_config(None, ["quantizer.temperature_schedule=cosine"])
+    # the old train.* keys name their new place, as overrides and in a file
+    for old, new in RENAMED.items():
+        with pytest.raises(ConfigError, match=f"'{old}' has moved to '{new}'"):
+            load_config(None, [f"{old}=cosine"])
+    with pytest.raises(ConfigError, match="'train.temperature_final' has moved to 'quantizer.temperature_final'"):
+        Config.from_dict({"train": {"temperature_final": 0.1}})
+    # a run's config.yaml written before the move is read with the keys moved
+    old_run = tmp_path / "config.yaml"
+    old_run.write_text("quantizer: {temperature: 1.0}\n"
+                       "train: {steps: 50, temperature_schedule: exponential, temperature_final: 0.2}\n")
+    with pytest.raises(ConfigError, match="has moved to"):
+        load_config(old_run)
+    moved = load_config(old_run, migrate=True).quantizer
+    assert (moved.temperature_schedule, moved.temperature_final) == ("exponential", 0.2)
 
 
 def test_rho_warning_for_ddcl(tiny_config):

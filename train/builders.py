@@ -1,8 +1,9 @@
-"""Config -> model, quantizer, optimizer, schedules."""
+"""Config -> model, quantizer, optimizer, learning-rate schedule (the temperature schedule is the quantizer's own)."""
 from __future__ import annotations
 
 import math
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -13,10 +14,12 @@ from models import VQVAE, Decoder, Encoder
 from .config import Config, QuantizerConfig, TrainConfig
 
 
-def build_quantizer(q: QuantizerConfig, dim: int) -> Quantizer:
+def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Quantizer:
+    """The configured quantizer; ``steps`` (train.steps) is the length of a DDCL temperature schedule."""
     if q.type == "ddcl":
-        return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, mode=q.mode, beta=q.beta,
-                             codebook_init=q.codebook_init, implementation=q.implementation)
+        return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, temperature_final=q.temperature_final,
+                             temperature_schedule=q.temperature_schedule, schedule_steps=steps, mode=q.mode,
+                             beta=q.beta, codebook_init=q.codebook_init, implementation=q.implementation)
     if q.type == "hard":
         return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
     if q.type == "ema":
@@ -30,8 +33,10 @@ def build_model(cfg: Config, in_channels: int) -> VQVAE:
     m = cfg.model
     common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
                   latent_dim=m.latent_dim, res_hidden=m.res_hidden)
-    return VQVAE(Encoder(in_channels=in_channels, **common), build_quantizer(cfg.quantizer, m.latent_dim),
-                 Decoder(out_channels=in_channels, **common))
+    # built in this order (encoder, quantizer, decoder): parameter initialisation follows the seed
+    encoder = Encoder(in_channels=in_channels, **common)
+    quantizer = build_quantizer(cfg.quantizer, m.latent_dim, cfg.train.steps)
+    return VQVAE(encoder, quantizer, Decoder(out_channels=in_channels, **common))
 
 
 def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.optim.Optimizer:
@@ -57,13 +62,3 @@ def lr_lambda(t: TrainConfig):
         return lambda step: 1.0
     return lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, t.steps) / t.steps))
 
-
-def temperature_at(step: int, start: float, t: TrainConfig) -> float:
-    """τ at ``step`` for the configured schedule (constant, cosine or exponential anneal to τ_final)."""
-    if t.temperature_schedule == "constant":
-        return start
-    frac = min(step, t.steps) / t.steps
-    end = t.temperature_final
-    if t.temperature_schedule == "cosine":
-        return end + (start - end) * 0.5 * (1 + math.cos(math.pi * frac))
-    return start * (end / start) ** frac

@@ -55,7 +55,9 @@ class QuantizerConfig:
     num_codes: int = 512                     # K
     # ddcl
     mode: str = "straight_through"
-    temperature: float = 0.01                # relative to D: softmax(-d / (temperature * D))
+    temperature: float = 0.01                # relative to D: softmax(-d / (temperature * D)); schedule start
+    temperature_schedule: str = "constant"   # constant | cosine | exponential (anneal over train.steps)
+    temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
     codebook_init: str = "uniform"
     implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
     # ddcl, hard, ema
@@ -77,8 +79,6 @@ class TrainConfig:
     codebook_lr_ratio: float = 3.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
     weight_decay: float = 0.0
     lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
-    temperature_schedule: str = "constant"   # constant | cosine | exponential (DDCL only)
-    temperature_final: Optional[float] = None
     quantizer_loss_weight: float = 1.0
     grad_clip: float = 1.0                   # max global grad norm; 0 = off
     amp: str = "none"                        # none | bf16 | fp16 (autocast; the quantizer stays float32)
@@ -117,7 +117,7 @@ CHOICES = {
     "quantizer.implementation": ("auto", "reference", "fused", "chunked"),
     "quantizer.distance": ("euclidean", "cosine"),
     "train.lr_schedule": ("constant", "cosine"),
-    "train.temperature_schedule": ("constant", "cosine", "exponential"),
+    "quantizer.temperature_schedule": ("constant", "cosine", "exponential"),
     "train.amp": ("none", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
 }
@@ -125,6 +125,10 @@ POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "mod
             "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
             "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
             "train.checkpoint_every", "train.image_every", "train.usage_window", "quantizer.decay"}
+#: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
+#: moves them instead, for the resolved config.yaml of runs written before the move)
+RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
+           "train.temperature_final": "quantizer.temperature_final"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
                 "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
 
@@ -148,6 +152,27 @@ def _nearest(key: str) -> str:
     if leaf:
         match = [k for k in keys if k.endswith("." + leaf[0])][:1] or match
     return match[0] if match else "?"
+
+
+def _unknown_key(key: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"config key {key!r} has moved to {RENAMED[key]!r} (the quantizer owns its "
+                           "temperature schedule)")
+    return ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+
+
+def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of a raw config dict with every key of :data:`RENAMED` moved to its new place."""
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    for old, new in RENAMED.items():
+        (osec, oname), (nsec, nname) = old.split("."), new.split(".")
+        section = raw.get(osec)
+        if isinstance(section, dict) and oname in section:
+            value = section.pop(oname)
+            target = raw.setdefault(nsec, {})
+            if isinstance(target, dict):
+                target.setdefault(nname, value)
+    return raw
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -187,7 +212,7 @@ def _apply(obj: Any, raw: Dict[str, Any], prefix: str) -> None:
     for name, value in raw.items():
         key = prefix + str(name)
         if name not in names:
-            raise ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+            raise _unknown_key(key)
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             _apply(current, value, key + ".")
@@ -207,10 +232,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r}: expected a value >= 0, got {value!r}")
     if not cfg.quantizer.decay < 1:
         raise ConfigError(f"config key 'quantizer.decay': expected a value < 1, got {cfg.quantizer.decay!r}")
-    tf = cfg.train.temperature_final
-    if cfg.train.temperature_schedule != "constant" and (tf is None or not tf > 0):
-        raise ConfigError("config key 'train.temperature_final': expected a value > 0 when "
-                          f"train.temperature_schedule is {cfg.train.temperature_schedule!r}, got {tf!r}")
+    tf = cfg.quantizer.temperature_final
+    if cfg.quantizer.temperature_schedule != "constant" and (tf is None or not tf > 0):
+        raise ConfigError("config key 'quantizer.temperature_final': expected a value > 0 when "
+                          f"quantizer.temperature_schedule is {cfg.quantizer.temperature_schedule!r}, got {tf!r}")
     if cfg.quantizer.type != "vqp" and cfg.quantizer.vqp:
         raise ConfigError(f"config key 'quantizer.vqp': only used with quantizer.type 'vqp', got type "
                           f"{cfg.quantizer.type!r}")
@@ -235,7 +260,7 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
         parts = key.split(".")
         is_vqp_kwarg = len(parts) == 3 and parts[:2] == ["quantizer", "vqp"]
         if key not in valid and not is_vqp_kwarg:
-            raise ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+            raise _unknown_key(key)
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -245,7 +270,10 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
     return raw
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *,
+                migrate: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
+    (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
     raw: Dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -255,6 +283,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if migrate:
+            raw = migrate_renamed(raw)
     return Config.from_dict(apply_overrides(raw, overrides))
 
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ddcl_vq import CodebookUsage, DDCLQuantizer, USAGE_DEFINITIONS
+from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage
 from ddcl_vq.distributed import replicas_identical
 
-from .builders import build_model, build_optimizer, lr_lambda, temperature_at
+from .builders import build_model, build_optimizer, lr_lambda
 from .checkpoint import latest_checkpoint, prune_periodic, save_checkpoint
 from .config import Config, dump_config
 from .data import EpochBatches, build_dataset, image_channels
@@ -97,7 +97,6 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     optimizer = build_optimizer(model, cfg.train, cfg.quantizer.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     quantizer = model.quantizer
-    base_temperature = cfg.quantizer.temperature
 
     step = 0
     resumed = latest_checkpoint(ckpt_dir, map_location=device) if ckpt_dir.exists() else None
@@ -169,8 +168,6 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
             checkpoint(periodic=False)
             break
         x = images.to(device, non_blocking=True)
-        if isinstance(quantizer, DDCLQuantizer):
-            quantizer.temperature = temperature_at(step, base_temperature, cfg.train)
         with autocast():
             out = ddp_model(x)
         recon_loss = F.mse_loss(out.reconstruction.float(), x)
@@ -185,6 +182,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
         step += 1
         window.update(out.quantizer.indices, out.quantizer.soft_counts)
 
@@ -200,8 +198,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
                       "perplexity_batch": float(out.quantizer.perplexity),
                       "lr": optimizer.param_groups[0]["lr"], "codebook_lr": optimizer.param_groups[-1]["lr"]}
             record.update({f"term_{k}": float(v) for k, v in out.quantizer.terms.items()})
-            if isinstance(quantizer, DDCLQuantizer):
-                record["temperature"] = quantizer.temperature
+            record.update(quantizer.log_stats())
             if window_stats is not None:
                 record.update(utilization_window=window_stats.utilization, dead_codes_window=window_stats.dead_codes,
                               perplexity_window=window_stats.perplexity)
@@ -217,7 +214,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
             model.eval()
             with torch.no_grad():
                 hard = model.reconstruct(preview, "hard")
-                soft = model.reconstruct(preview, "soft") if isinstance(quantizer, DDCLQuantizer) else None
+                soft = model.reconstruct(preview, "soft") if quantizer.has_soft_codes else None
             model.train()
             writer.add_image("reconstructions/original_hard_soft", _image_grid(preview, hard, soft), step)
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:

@@ -3,13 +3,12 @@ dataset-level codebook usage. Distributed-aware: each process takes a disjoint s
 the images, sums are all-reduced, so the result equals a single-process pass."""
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ddcl_vq import CodebookUsage, DDCLQuantizer
+from ddcl_vq import CodebookUsage
 from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
 from models import VQVAE
 
@@ -25,6 +24,7 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
                         max_images: int = 0, on_batch=None, progress: bool = False) -> Dict:
     """-> {"num_images", "hard": {"mse", "psnr"}, "soft": {...} or None, "usage": UsageStats}.
 
+    ``soft`` is measured when the quantizer has soft codes (``quantizer.has_soft_codes``), else None.
     MSE = mean over images and pixels; PSNR = mean over images of 10·log10(1 / MSE_image)
     (images in [0, 1]; a perfect image's MSE is floored at 1e-10). ``on_batch(x, hard, soft)``
     lets callers add metrics on the same pass.
@@ -33,7 +33,7 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
     model.eval()
     part, n = shard(dataset, max_images)
     loader = DataLoader(part, batch_size=batch_size, shuffle=False)
-    is_ddcl = isinstance(model.quantizer, DDCLQuantizer)
+    has_soft = model.quantizer.has_soft_codes
     usage = CodebookUsage(model.quantizer.num_codes, device=device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
     iterator = loader
@@ -50,7 +50,7 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
         sums[0] += mse_img.sum()
         sums[1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
         soft = None
-        if is_ddcl:
+        if has_soft:
             soft = model.decoder(model.quantizer.soft_codes(z)).float().clamp(0, 1)
             mse_soft = (soft - x).pow(2).flatten(1).mean(1).double()
             sums[2] += mse_soft.sum()
@@ -65,9 +65,6 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
         raise RuntimeError(f"evaluation covered {count:.0f} images, expected {n}")
     hard_metrics = {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count}
     soft_metrics: Optional[Dict] = ({"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count}
-                                    if is_ddcl else None)
+                                    if has_soft else None)
     return {"num_images": int(count), "hard": hard_metrics, "soft": soft_metrics, "usage": usage.compute()}
 
-
-def psnr_from_mse(mse: float) -> float:
-    return 10 * math.log10(1.0 / max(mse, 1e-10))
