@@ -315,8 +315,3 @@ def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Opti
     return {"min_code_distance": lo_all, "mean_code_distance": mean_all,
             "min_active_code_distance": lo_act, "mean_active_code_distance": mean_act}
 
-
-def entropy_nats(counts: Sequence[float]) -> float:
-    """H(p), p = counts / sum(counts) (natural log; 0·log 0 = 0)."""
-    total = float(sum(counts))
-    return -sum((c / total) * math.log(c / total) for c in counts if c > 0) if total > 0 else 0.0
