@@ -1,5 +1,11 @@
 """The training loop, top to bottom: set-up, resume, steps, logging, checkpoints, summary.
 
+:func:`train` reads on one screen; its named pieces are :class:`Checkpoints` (resume and
+atomic saves), :class:`RunLog` (metrics.jsonl, TensorBoard, progress bar, usage window,
+image grids) and :func:`end_of_run_evaluation`. The quantizer is driven only through the
+``ddcl_vq.Quantizer`` interface: ``step()`` once per optimizer step (DDCL advances its
+temperature schedule), ``log_stats()`` for extra scalars, ``has_soft_codes`` for image grids.
+
 Distributed training is detected from the environment (torchrun sets RANK, WORLD_SIZE,
 LOCAL_RANK): the process group starts with NCCL on GPUs, gloo on CPUs; the model is
 wrapped in DistributedDataParallel; data.batch_size is the *global* batch, split evenly
@@ -14,15 +20,16 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage
+from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
 from ddcl_vq.distributed import replicas_identical
+from models import VQVAE, VQVAEOutput
 
 from .builders import build_model, build_optimizer, lr_lambda
 from .checkpoint import latest_checkpoint, prune_periodic, save_checkpoint
@@ -78,6 +85,156 @@ def _image_grid(x, hard, soft):
     return make_grid(torch.cat(rows).clamp(0, 1), nrow=x.shape[0], padding=1)
 
 
+def _due(step: int, every: int, last: int) -> bool:
+    return step % every == 0 or step == last
+
+
+class Checkpoints:
+    """RUN_DIR/checkpoints: resume from the newest readable one; save last.pt (and a periodic
+    step_XXXXXXX.pt, the newest few kept) atomically, on rank 0, after checking that every
+    process holds the same model."""
+
+    def __init__(self, run_dir: Path, model: VQVAE, optimizer, scheduler, cfg: Config, device: torch.device,
+                 world: int, is_main: bool):
+        self.dir = run_dir / "checkpoints"
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.device, self.world, self.is_main = cfg, device, world, is_main
+
+    def resume(self, announce: bool) -> int:
+        """Load the newest checkpoint (model, optimizer, lr schedule, RNG); -> its step (0 if none)."""
+        found = latest_checkpoint(self.dir, map_location=self.device) if self.dir.exists() else None
+        if found is None:
+            return 0
+        state, path = found
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"], self.device)
+        step = int(state["step"])
+        if announce:
+            print(f"resuming {self.dir.parent} from {path.name} at step {step}", file=sys.stderr)
+        return step
+
+    def save(self, step: int, periodic: bool) -> None:
+        if self.world > 1 and not replicas_identical(self.model):
+            raise RuntimeError(f"step {step}: model replicas differ across processes; the codebook is no "
+                               "longer one codebook (a quantizer update that is not synchronised?)")
+        if not self.is_main:
+            return
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": step, "rng": _rng_state(self.device),
+                 "config": self.cfg.to_dict()}
+        save_checkpoint(state, self.dir / "last.pt")
+        if periodic:
+            save_checkpoint(state, self.dir / f"step_{step:07d}.pt")
+            prune_periodic(self.dir)
+
+
+class RunLog:
+    """What training reports: metrics.jsonl and TensorBoard scalars every ``train.log_every`` steps,
+    the windowed codebook usage every ``train.usage_window`` steps (all-reduced, so every process
+    takes part), image grids every ``train.image_every`` steps, the progress bar. Files and the
+    bar on rank 0 only."""
+
+    def __init__(self, cfg: Config, model: VQVAE, preview: torch.Tensor, step: int, device: torch.device,
+                 is_main: bool, quiet: bool):
+        self.cfg, self.t, self.model, self.preview = cfg, cfg.train, model, preview
+        self.window = CodebookUsage(model.quantizer.num_codes, device=device)
+        self.window_stats: Optional[UsageStats] = None
+        self.writer = self.metrics = self.progress = None
+        run_dir = Path(cfg.run.dir)
+        if is_main:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=step if step else None)
+            self.metrics = open(run_dir / "metrics.jsonl", "a")
+            if not quiet:
+                from tqdm import tqdm
+                self.progress = tqdm(total=self.t.steps, initial=step, desc=cfg.run.name, unit="step",
+                                     dynamic_ncols=True)
+        self.t_start = time.time()
+
+    def after_step(self, step: int, loss: torch.Tensor, recon_loss: torch.Tensor, out: VQVAEOutput,
+                   optimizer: torch.optim.Optimizer) -> None:
+        q = out.quantizer
+        self.window.update(q.indices, q.soft_counts)
+        if _due(step, self.t.usage_window, self.t.steps):
+            self.window_stats = self.window.compute()  # all-reduced across processes
+            self.window.reset()
+            if self.writer is not None:
+                self.writer.add_histogram("usage/code_counts",
+                                          torch.tensor(self.window_stats.counts, dtype=torch.float32), step)
+        if self.writer is None:
+            return
+        if _due(step, self.t.log_every, self.t.steps):
+            self.scalars(step, self.record(step, loss, recon_loss, out, optimizer))
+        if _due(step, self.t.image_every, self.t.steps):
+            self.images(step)
+
+    def record(self, step: int, loss, recon_loss, out: VQVAEOutput, optimizer) -> Dict:
+        """One metrics.jsonl line: losses, the quantizer's terms and extra statistics, lr, usage window."""
+        q = out.quantizer
+        record = {"step": step, "time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
+                  "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
+                  "perplexity_batch": float(q.perplexity),
+                  "lr": optimizer.param_groups[0]["lr"], "codebook_lr": optimizer.param_groups[-1]["lr"]}
+        record.update({f"term_{k}": float(v) for k, v in q.terms.items()})
+        record.update(self.model.quantizer.log_stats())
+        if self.window_stats is not None:
+            w = self.window_stats
+            record.update(utilization_window=w.utilization, dead_codes_window=w.dead_codes,
+                          perplexity_window=w.perplexity)
+        return record
+
+    def scalars(self, step: int, record: Dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for k, v in record.items():
+            if k not in ("step", "time", "wall"):
+                self.writer.add_scalar(k.replace("term_", "terms/"), v, step)
+        if self.progress is not None:
+            w = self.window_stats
+            self.progress.set_postfix(loss=f"{record['loss']:.4f}", ppl=f"{record['perplexity_batch']:.0f}",
+                                      util=f"{w.utilization:.0%}" if w else "-")
+
+    def images(self, step: int) -> None:
+        """original | hard-code | soft-code (when the quantizer has soft codes) reconstructions."""
+        model = self.model
+        model.eval()
+        with torch.no_grad():
+            hard = model.reconstruct(self.preview, "hard")
+            soft = model.reconstruct(self.preview, "soft") if model.quantizer.has_soft_codes else None
+        model.train()
+        self.writer.add_image("reconstructions/original_hard_soft", _image_grid(self.preview, hard, soft), step)
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.metrics.close()
+
+
+def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.device) -> Dict:
+    """Hard- (and soft-) code reconstruction and dataset-level codebook usage on the first
+    ``train.eval_images`` test images, for summary.json."""
+    result = reconstruction_pass(model, test_set, batch_size=256, device=device, max_images=cfg.train.eval_images)
+    usage = result["usage"]
+    return dict(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
+                codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})
+
+
+def _mixed_precision(amp: str, device: torch.device) -> tuple[Callable, torch.amp.GradScaler]:
+    amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    if amp_dtype is torch.float16 and device.type != "cuda":
+        raise RuntimeError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or none on CPU")
+    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
+    return autocast, torch.amp.GradScaler("cuda", enabled=amp_dtype is torch.float16)
+
+
 def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) -> Dict:
     """Train (or resume) the run described by ``cfg``; returns the end-of-run summary.
 
@@ -85,30 +242,17 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     job were pre-empted (time-sliced clusters); running again resumes where it stopped.
     """
     env = setup_distributed(cfg.train.device)
-    rank, world, device = env["rank"], env["world"], env["device"]
-    is_main = rank == 0
+    world, device, is_main = env["world"], env["device"], env["rank"] == 0
+    t = cfg.train
     run_dir = Path(cfg.run.dir)
-    ckpt_dir = run_dir / "checkpoints"
     torch.manual_seed(cfg.run.seed)
 
     train_set = build_dataset(cfg.data, "train", cfg.run.seed)
-    channels = image_channels(cfg.data)
-    model = build_model(cfg, channels).to(device)
-    optimizer = build_optimizer(model, cfg.train, cfg.quantizer.type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
-    quantizer = model.quantizer
-
-    step = 0
-    resumed = latest_checkpoint(ckpt_dir, map_location=device) if ckpt_dir.exists() else None
-    if resumed is not None:
-        state, path = resumed
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"], device)
-        step = int(state["step"])
-        if is_main and not quiet:
-            print(f"resuming {run_dir} from {path.name} at step {step}", file=sys.stderr)
+    model = build_model(cfg, image_channels(cfg.data)).to(device)
+    optimizer = build_optimizer(model, t, cfg.quantizer.type)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    checkpoints = Checkpoints(run_dir, model, optimizer, scheduler, cfg, device, world, is_main)
+    step = checkpoints.resume(announce=is_main and not quiet)  # the quantizer's schedule comes with the model
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -119,122 +263,52 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
         # themselves, and replicas_identical() checks that at every checkpoint.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-
-    batches = EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed, rank, world, start_step=step)
+    batches = EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed, env["rank"], world, start_step=step)
     loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.data.num_workers,
                         pin_memory=device.type == "cuda")
-    amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.amp]
-    if amp_dtype is torch.float16 and device.type != "cuda":
-        raise RuntimeError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or none on CPU")
-    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
-    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype is torch.float16)
-
-    writer = None
-    metrics_file = None
-    if is_main:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(run_dir / "tb"), purge_step=step if step else None)
-        metrics_file = open(run_dir / "metrics.jsonl", "a")
+    autocast, scaler = _mixed_precision(t.amp, device)
     test_set = build_dataset(cfg.data, "test", cfg.run.seed)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
+    log = RunLog(cfg, model, preview, step, device, is_main, quiet)
 
-    window = CodebookUsage(quantizer.num_codes, device=device)
-    window_stats = None
-    progress = None
-    if is_main and not quiet:
-        from tqdm import tqdm
-        progress = tqdm(total=cfg.train.steps, initial=step, desc=cfg.run.name, unit="step", dynamic_ncols=True)
-
-    def checkpoint(periodic: bool) -> None:
-        if world > 1 and not replicas_identical(model):
-            raise RuntimeError(f"step {step}: model replicas differ across processes; the codebook is no "
-                               "longer one codebook (a quantizer update that is not synchronised?)")
-        if not is_main:
-            return
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "step": step, "rng": _rng_state(device), "config": cfg.to_dict()}
-        save_checkpoint(state, ckpt_dir / "last.pt")
-        if periodic:
-            save_checkpoint(state, ckpt_dir / f"step_{step:07d}.pt")
-            prune_periodic(ckpt_dir)
-
-    t_start = time.time()
     first_step = step
     ddp_model.train()
     for images, _ in loader:
-        if step >= cfg.train.steps:
+        if step >= t.steps:
             break
         if stop_after is not None and step - first_step >= stop_after:
-            checkpoint(periodic=False)
+            checkpoints.save(step, periodic=False)
             break
         x = images.to(device, non_blocking=True)
         with autocast():
             out = ddp_model(x)
         recon_loss = F.mse_loss(out.reconstruction.float(), x)
-        loss = recon_loss + cfg.train.quantizer_loss_weight * out.quantizer.loss
+        loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        if cfg.train.grad_clip > 0:
+        if t.grad_clip > 0:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
-        quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
+        model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
         step += 1
-        window.update(out.quantizer.indices, out.quantizer.soft_counts)
 
-        if step % cfg.train.usage_window == 0 or step == cfg.train.steps:
-            window_stats = window.compute()  # all-reduced across processes
-            window.reset()
-            if writer is not None:
-                writer.add_histogram("usage/code_counts", torch.tensor(window_stats.counts, dtype=torch.float32), step)
-        if is_main and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
-            record = {"step": step, "time": round(time.time() - t_start, 3), "wall": round(time.time(), 3),
-                      "loss": loss.item(),
-                      "recon_mse": recon_loss.item(), "quantizer_loss": out.quantizer.loss.item(),
-                      "perplexity_batch": float(out.quantizer.perplexity),
-                      "lr": optimizer.param_groups[0]["lr"], "codebook_lr": optimizer.param_groups[-1]["lr"]}
-            record.update({f"term_{k}": float(v) for k, v in out.quantizer.terms.items()})
-            record.update(quantizer.log_stats())
-            if window_stats is not None:
-                record.update(utilization_window=window_stats.utilization, dead_codes_window=window_stats.dead_codes,
-                              perplexity_window=window_stats.perplexity)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            for k, v in record.items():
-                if k not in ("step", "time", "wall"):
-                    writer.add_scalar(k.replace("term_", "terms/"), v, step)
-            if progress is not None:
-                progress.set_postfix(loss=f"{record['loss']:.4f}", ppl=f"{record['perplexity_batch']:.0f}",
-                                     util=f"{window_stats.utilization:.0%}" if window_stats else "-")
-        if is_main and (step % cfg.train.image_every == 0 or step == cfg.train.steps):
-            model.eval()
-            with torch.no_grad():
-                hard = model.reconstruct(preview, "hard")
-                soft = model.reconstruct(preview, "soft") if quantizer.has_soft_codes else None
-            model.train()
-            writer.add_image("reconstructions/original_hard_soft", _image_grid(preview, hard, soft), step)
-        if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            checkpoint(periodic=step % cfg.train.checkpoint_every == 0)
-        if progress is not None:
-            progress.update(1)
-    if progress is not None:
-        progress.close()
-    train_seconds = time.time() - t_start
+        log.after_step(step, loss, recon_loss, out, optimizer)
+        if _due(step, t.checkpoint_every, t.steps):
+            checkpoints.save(step, periodic=step % t.checkpoint_every == 0)
+        log.advance()
+    log.close()
+    train_seconds = time.time() - log.t_start
 
     summary = {"run": str(run_dir), "step": step, "train_seconds": round(train_seconds, 1)}
-    if cfg.train.eval_images > 0 and step >= cfg.train.steps:
-        result = reconstruction_pass(model, test_set, batch_size=256, device=device, max_images=cfg.train.eval_images)
-        usage = result["usage"]
-        summary.update(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
-                       codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})
+    if t.eval_images > 0 and step >= t.steps:
+        summary.update(end_of_run_evaluation(model, test_set, cfg, device))
     if is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        writer.close()
-        metrics_file.close()
         if not quiet:
             print(format_summary(summary, run_dir))
     return summary
