@@ -71,7 +71,7 @@ def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], pr
     # under the host's name, so checkpoints keep the host's keys (and safetensors accepts them).
     if module._host_codebook_key != "ddcl.weight":
         state_dict.pop(prefix + "ddcl.weight", None)
-    state_dict.pop(prefix + "ddcl._extra_state", None)  # the temperature schedule: the host has none
+    state_dict.pop(prefix + "ddcl.schedule", None)  # the temperature schedule: the host has none
 
 
 def _restore_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,

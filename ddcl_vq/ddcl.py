@@ -97,8 +97,9 @@ class DDCLQuantizer(Quantizer):
             threshold memory wins.
 
     Schedule state lives in the ``state_dict``: the buffer ``schedule_step`` (calls of
-    :meth:`step` so far) and the extra state (start, final, shape, length), so a loaded checkpoint
-    resumes, and evaluates at, the temperature it was trained to. ``temperature`` reads the
+    :meth:`step` so far) and ``schedule``, a float64 tensor [index in ``SCHEDULES``, start τ,
+    final τ, steps] that loading restores, so a loaded checkpoint resumes, and evaluates at, the
+    temperature it was trained to. ``temperature`` reads the
     current τ; assigning it fixes τ (the schedule becomes constant at that value). A state_dict
     without the schedule (written before it was saved) loads with the constructor's schedule, taken
     as finished (τ = ``temperature_final``) — re-save it to silence the warning.
@@ -185,27 +186,36 @@ class DDCLQuantizer(Quantizer):
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode, "temperature": self.temperature}
 
-    def get_extra_state(self) -> Dict[str, Any]:
-        return {"temperature": self.temperature_start, "temperature_final": self.temperature_final,
-                "temperature_schedule": self.temperature_schedule, "schedule_steps": self.schedule_steps}
-
-    def set_extra_state(self, state: Dict[str, Any]) -> None:
-        self.set_schedule(state["temperature"], state["temperature_final"], state["temperature_schedule"],
-                          state["schedule_steps"])
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # the schedule's settings as one float64 tensor (not a buffer: module dtype casts leave it exact)
+        destination[prefix + "schedule"] = torch.tensor(
+            [SCHEDULES.index(self.temperature_schedule), self.temperature_start, self.temperature_final,
+             self.schedule_steps or 0], dtype=torch.float64)
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata, strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        key = prefix + "schedule"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key in state_dict:
+            try:
+                kind, start, final, steps = state_dict[key].tolist()
+                self.set_schedule(start, final, SCHEDULES[int(kind)], int(steps) or None)
+            except (ValueError, IndexError, TypeError) as err:
+                error_msgs.append(f"{key}: expected [schedule index, start τ, final τ, steps], got "
+                                  f"{state_dict[key]!r} ({err})")
         # a state_dict from before the schedule was saved: keep the constructor's schedule
-        for key in (prefix + "_extra_state", prefix + "schedule_step"):
-            if key in missing_keys:
-                missing_keys.remove(key)
-                if key.endswith("schedule_step") and self.temperature_schedule != "constant":
-                    self.schedule_step.fill_(self.schedule_steps)
-                    warnings.warn(f"{prefix or 'DDCLQuantizer '}state_dict has no temperature-schedule step; "
-                                  f"taking the {self.temperature_schedule} schedule as finished "
-                                  f"(τ = {self.temperature_final:g})", stacklevel=3)
+        step_key = prefix + "schedule_step"
+        if step_key in missing_keys:
+            missing_keys.remove(step_key)
+            if self.temperature_schedule != "constant":
+                self.schedule_step.fill_(self.schedule_steps)
+                warnings.warn(f"{prefix or 'DDCLQuantizer '}state_dict has no temperature-schedule step; "
+                              f"taking the {self.temperature_schedule} schedule as finished "
+                              f"(τ = {self.temperature_final:g})", stacklevel=3)
 
     # ------------------------------------------------------------------ assignment
     @property

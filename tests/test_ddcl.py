@@ -244,7 +244,11 @@ def test_temperature_schedule_is_saved_and_loaded(tmp_path):
         == (0.2, 0.01, "cosine", 10)
     assert int(fresh.schedule_step) == 4 and fresh.temperature == q.temperature
     assert fresh.describe() == {"mode": "straight_through", "temperature": q.temperature}
-    # the schedule does not depend on the module's dtype
+    # tensors only (safetensors, state-dict tooling), and exact whatever the module's dtype
+    assert all(isinstance(v, torch.Tensor) for v in q.state_dict().values())
+    halved = DDCLQuantizer(8, 4)
+    halved.load_state_dict(q.half().state_dict())
+    assert (halved.temperature_start, halved.temperature_final) == (0.2, 0.01)
     assert q.double().temperature == q.float().temperature == fresh.temperature
 
 

@@ -152,7 +152,7 @@ def test_load_run_reads_the_saved_schedule_also_of_older_runs(tiny_runs, tmp_pat
     (old / "config.yaml").write_text(yaml.safe_dump(raw))
     for ckpt in (old / "checkpoints").glob("*.pt"):
         state = torch.load(ckpt, weights_only=True)
-        del state["model"]["quantizer.schedule_step"], state["model"]["quantizer._extra_state"]
+        del state["model"]["quantizer.schedule_step"], state["model"]["quantizer.schedule"]
         torch.save(state, ckpt)
     with pytest.warns(UserWarning, match="finished"):
         cfg, model, _, _ = load_run(old)
