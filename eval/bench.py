@@ -357,11 +357,9 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 def probe_subprocess(name: str, shape: Tuple[int, int, int]) -> Optional[float]:
     """Peak extra memory of one run of ``name`` in a fresh interpreter (ru_maxrss growth)."""
     n, d, k = shape
-    cmd = [sys.executable, "-m", "eval.bench", "--_probe", name, str(n), str(d), str(k)]
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "ddcl_vq.eval.bench", "--_probe", name, str(n), str(d), str(k)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=root)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
     except (subprocess.CalledProcessError, ValueError, KeyError, IndexError):
         return None
@@ -395,10 +393,10 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
     from ddcl_vq import DDCLQuantizer, HardVQ
     models = {}
     root = Path(__file__).resolve().parents[1]
-    source = "models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
+    source = "ddcl_vq.models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
     try:
-        from train.builders import build_model, build_optimizer
-        from train.config import load_config
+        from ddcl_vq.train.builders import build_model, build_optimizer
+        from ddcl_vq.train.config import load_config
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for label, cfg_name in (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml")):
@@ -407,9 +405,9 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
                 model = build_model(cfg, in_channels=1)
                 opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
                 models[label] = (model, opt, cfg.train.quantizer_loss_weight)
-        source = "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via train.builders"
+        source = "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.train.builders"
     except Exception:  # the training package is not there: the documented default model
-        from models import VQVAE, Decoder, Encoder
+        from ddcl_vq.models import VQVAE, Decoder, Encoder
         for label, q in (("ddcl", DDCLQuantizer(512, 64)), ("hardvq", HardVQ(512, 64))):
             torch.manual_seed(0)
             model = VQVAE(Encoder(), q, Decoder())

@@ -13,12 +13,12 @@ from typing import List, Optional
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "train": ("train.cli", "train a VQ-VAE from a YAML config (also: python -m train, torchrun -m train)"),
-    "evaluate": ("eval.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
-    "compare": ("eval.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
-    "study": ("eval.study", "train, evaluate and compare every arm of a study config"),
-    "bench": ("eval.bench", "quantizer speed and memory, side by side with the peers"),
-    "readout-study": ("eval.readout_study", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
+    "train": ("ddcl_vq.train.cli", "train a VQ-VAE from a YAML config (also: python -m ddcl_vq.train, torchrun -m ddcl_vq.train)"),
+    "evaluate": ("ddcl_vq.eval.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
+    "compare": ("ddcl_vq.eval.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
+    "study": ("ddcl_vq.eval.study", "train, evaluate and compare every arm of a study config"),
+    "bench": ("ddcl_vq.eval.bench", "quantizer speed and memory, side by side with the peers"),
+    "readout-study": ("ddcl_vq.eval.readout_study", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
 }
 
 

@@ -126,7 +126,7 @@ def settings_text(cfg) -> str:
 
 
 def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
-    from train.config import load_config
+    from ddcl_vq.train.config import load_config
     cfg = load_config(Path(run_dir) / "config.yaml", migrate=True)
     hard, soft, gap = ev["recon"]["hard"], ev["recon"]["soft"], ev["recon"]["soft_minus_hard"]
     c = ev["codebook"]
@@ -162,7 +162,7 @@ def markdown_table(rows: Sequence[Dict]) -> str:
 
 
 def unique_names(run_dirs: Sequence[Path]) -> List[str]:
-    from train.config import load_config
+    from ddcl_vq.train.config import load_config
     names = []
     for d in run_dirs:
         try:
@@ -264,7 +264,7 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
 @torch.no_grad()
 def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: Path, split: str = "test",
                          num_images: int = 8) -> None:
-    from train.data import build_dataset
+    from ddcl_vq.train.data import build_dataset
     plt = _plt()
     recons, originals = [], None
     for d in run_dirs:
@@ -348,9 +348,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--grid-images", type=int, default=8, help="test images in reconstructions.png")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    from train.checkpoint import CheckpointError
-    from train.config import ConfigError
-    from train.data import DataUnavailable
+    from ddcl_vq.train.checkpoint import CheckpointError
+    from ddcl_vq.train.config import ConfigError
+    from ddcl_vq.train.data import DataUnavailable
     command = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
     try:
         rows = compare(args.run_dirs, args.out, args.split, args.max_images, args.batch_size,

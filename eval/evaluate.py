@@ -44,10 +44,10 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     τ where training left it, i.e. the final temperature for a finished run). A config.yaml
     written before the schedule keys moved to ``quantizer.*`` is read with them moved.
     """
-    from train.builders import build_model
-    from train.checkpoint import latest_checkpoint
-    from train.config import load_config
-    from train.data import image_channels
+    from ddcl_vq.train.builders import build_model
+    from ddcl_vq.train.checkpoint import latest_checkpoint
+    from ddcl_vq.train.config import load_config
+    from ddcl_vq.train.data import image_channels
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -78,9 +78,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                  overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
                  write: bool = True) -> Dict:
     """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict."""
-    from train.data import build_dataset
-    from train.loop import setup_distributed
-    from train.testset import reconstruction_pass
+    from ddcl_vq.train.data import build_dataset
+    from ddcl_vq.train.loop import setup_distributed
+    from ddcl_vq.train.testset import reconstruction_pass
 
     from ddcl_vq.distributed import rank
 
@@ -195,9 +195,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{args.max_images} and {args.batch_size}", file=sys.stderr)
         return 2
 
-    from train.checkpoint import CheckpointError
-    from train.config import ConfigError
-    from train.data import DataUnavailable
+    from ddcl_vq.train.checkpoint import CheckpointError
+    from ddcl_vq.train.config import ConfigError
+    from ddcl_vq.train.data import DataUnavailable
 
     from ddcl_vq.distributed import rank
 
@@ -215,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from train.loop import teardown_distributed
+    from ddcl_vq.train.loop import teardown_distributed
     code = main()
     if code == 0:
         teardown_distributed()

@@ -84,7 +84,7 @@ The default budget (3 arms x 1,000 steps, 1 thread) takes about 6-7 minutes on a
 
 def load_patches(split: str, size: int, patch: int, seed: int):
     """uint8 patch tokens (N, T, patch*patch) and int64 labels (N,); a fixed random subset if size < N."""
-    from train.data import fashion_mnist_arrays
+    from ddcl_vq.train.data import fashion_mnist_arrays
 
     images, labels = fashion_mnist_arrays(split)
     if size < len(images):
@@ -451,7 +451,7 @@ def report(results: Dict) -> str:
 
 
 def machine() -> str:
-    from eval.machine import cpu_model
+    from ddcl_vq.eval.machine import cpu_model
     cpu = cpu_model()
     return (f"{os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
             f"no GPU used")

@@ -75,7 +75,7 @@ class Study:
 
 def _as_overrides(spec: Any, where: str) -> List[str]:
     """A list of "key=value" strings or a mapping {dotted.key: value} -> list of strings."""
-    from train.config import ConfigError
+    from ddcl_vq.train.config import ConfigError
     if spec is None:
         return []
     if isinstance(spec, dict):
@@ -101,7 +101,7 @@ def _sweep_suffix(key: str, value: Any) -> str:
 def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
                overrides: Sequence[str] = ()) -> Study:
     """Read and validate a study YAML; every arm's config is built (and checked) here."""
-    from train.config import ConfigError, Config, apply_overrides
+    from ddcl_vq.train.config import ConfigError, Config, apply_overrides
 
     path = Path(path)
     if not path.is_file():
@@ -174,7 +174,7 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
 # --------------------------------------------------------------------------- running arms
 
 def checkpoint_step(run_dir: Path) -> Optional[int]:
-    from train.checkpoint import CheckpointError, load_checkpoint
+    from ddcl_vq.train.checkpoint import CheckpointError, load_checkpoint
     path = run_dir / "checkpoints" / "last.pt"
     if not path.is_file():
         return None
@@ -197,7 +197,7 @@ def _diff(old: Dict, new: Dict, prefix: str = "") -> List[str]:
 
 def check_run_dir(arm: Arm) -> None:
     """A run directory that already holds another config is an error (never mixed silently)."""
-    from train.config import load_config
+    from ddcl_vq.train.config import load_config
     cfg_path = Path(arm.config.run.dir) / "config.yaml"
     if not cfg_path.is_file():
         return
@@ -217,7 +217,7 @@ def arm_status(arm: Arm) -> str:
 
 def machine_description() -> str:
     import torch
-    from eval.machine import cpu_model
+    from ddcl_vq.eval.machine import cpu_model
     cpu = cpu_model()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -227,17 +227,17 @@ def machine_description() -> str:
 
 
 def _train_subprocess(arm: Arm, threads: int) -> Optional[str]:
-    """Train one arm in a child process (``python -m train``); None on success, else the reason."""
+    """Train one arm in a child process (``python -m ddcl_vq.train``); None on success, else the reason."""
     import subprocess
 
-    from train.config import dump_config
+    from ddcl_vq.train.config import dump_config
     run_dir = Path(arm.config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_file = run_dir / "study_arm.yaml"
     cfg_file.write_text(dump_config(arm.config))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads or 1), MKL_NUM_THREADS=str(threads or 1))
     with open(run_dir / "train.log", "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "train", "--config", str(cfg_file), "--quiet"],
+        proc = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--config", str(cfg_file), "--quiet"],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode == 0:
         return None
@@ -249,14 +249,14 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
               command: Optional[str] = None, jobs: int = 1, threads: int = 0) -> Dict:
     """Train (unless ``train_arms`` is False), evaluate and compare every arm; write report.md.
 
-    ``jobs`` > 1 trains that many arms at once, each in its own ``python -m train`` process
+    ``jobs`` > 1 trains that many arms at once, each in its own ``python -m ddcl_vq.train`` process
     with ``threads`` (default 1) intra-op threads; evaluation stays in this process.
     """
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from tqdm import tqdm
 
-    from train.loop import train
+    from ddcl_vq.train.loop import train
 
     from .compare import compare, ensure_eval
 
@@ -441,9 +441,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides for every arm")
     args = parser.parse_intermixed_args(argv)
 
-    from train.checkpoint import CheckpointError
-    from train.config import ConfigError
-    from train.data import DataUnavailable
+    from ddcl_vq.train.checkpoint import CheckpointError
+    from ddcl_vq.train.config import ConfigError
+    from ddcl_vq.train.data import DataUnavailable
 
     from .evaluate import EvaluateError
 

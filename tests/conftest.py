@@ -1,6 +1,6 @@
 import pytest
 
-from train.config import load_config
+from ddcl_vq.train.config import load_config
 
 TINY = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ddcl_vq import CodebookUsage
-from train.builders import build_model, build_optimizer
-from train.config import load_config
-from train.data import EpochBatches, build_dataset
+from ddcl_vq.train.builders import build_model, build_optimizer
+from ddcl_vq.train.config import load_config
+from ddcl_vq.train.data import EpochBatches, build_dataset
 
 TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
         "quantizer.num_codes=64", "data.batch_size=32"]

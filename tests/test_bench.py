@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from eval import bench
+from ddcl_vq.eval import bench
 
 
 def test_run_bench_tiny_shapes_every_impl():

@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from eval import metrics
-from eval.compare import compare
-from eval.evaluate import evaluate_run, load_run
-from eval.evaluate import main as evaluate_main
-from eval.study import load_study
-from eval.study import main as study_main
-from train.config import ConfigError, load_config
-from train.data import build_dataset
-from train.loop import train
+from ddcl_vq.eval import metrics
+from ddcl_vq.eval.compare import compare
+from ddcl_vq.eval.evaluate import evaluate_run, load_run
+from ddcl_vq.eval.evaluate import main as evaluate_main
+from ddcl_vq.eval.study import load_study
+from ddcl_vq.eval.study import main as study_main
+from ddcl_vq.train.config import ConfigError, load_config
+from ddcl_vq.train.data import build_dataset
+from ddcl_vq.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",

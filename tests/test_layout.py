@@ -1,91 +1,118 @@
-"""The layout's promises (DESIGN.md): no import cycle among the project's modules (imports
-inside functions included), ddcl_vq imports nothing of the rest, and code outside ddcl_vq
-asks the Quantizer interface instead of testing for a concrete quantizer class."""
+"""The layout promises of DESIGN.md: one installed name, arrows only pointing down, no cycles.
+
+- Installed, the repository's folders live under ``ddcl_vq`` (``ddcl_vq.models``,
+  ``ddcl_vq.train``, ``ddcl_vq.eval``): a user's own ``models/`` package or ``train.py`` is
+  never shadowed, imported or overwritten, and a wheel puts nothing else at the top level.
+- ``ddcl_vq`` (what users copy) imports nothing from models/, train/ or eval/; models/ only
+  ddcl_vq; train/ only ddcl_vq and models/; no module imports a top-level ``models``,
+  ``train`` or ``eval``; the import graph among the project's modules (imports inside
+  functions included) has no cycle.
+- Code outside ddcl_vq asks the Quantizer interface instead of testing for a concrete class.
+"""
 import ast
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ddcl_vq", "models", "train", "eval")
+# repository folder -> installed package name, lowest layer first
+FOLDERS = {"ddcl_vq": "ddcl_vq", "models": "ddcl_vq.models", "train": "ddcl_vq.train", "eval": "ddcl_vq.eval"}
+LAYER = {name: i for i, name in enumerate(FOLDERS.values())}
 CONCRETE_QUANTIZERS = {"DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer"}
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=0", "train.log_every=1"]
 
 
-def project_modules():
-    """module name -> (path, is_package) for every .py file of the project's packages."""
-    mods = {}
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            is_pkg = parts[-1] == "__init__"
-            if is_pkg:
+def project_modules() -> dict:
+    """Installed module name -> source file, for every module of the four folders."""
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
                 parts = parts[:-1]
-            mods[".".join(parts)] = (path, is_pkg)
-    return mods
+            out[".".join([package] + parts)] = path
+    return out
 
 
-def imports_of(name, path, is_pkg, mods):
-    """Project modules that ``name`` imports anywhere in its file."""
-    package = name if is_pkg else name.rpartition(".")[0]
+def imports_of(name: str, path: Path, modules: dict) -> set:
+    """Project modules that ``name`` imports anywhere in its file (function-level imports included)."""
+    is_package = path.name == "__init__.py"
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         targets = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
             if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
-            targets = [mod] + [f"{mod}.{alias.name}" for alias in node.names]
+                anchor = name.split(".")
+                anchor = anchor[:len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            # "from pkg import mod" imports the module pkg.mod; "from mod import name" imports mod
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         for target in targets:
-            # the deepest project module the import names (a.b.c -> a.b.c, else a.b, else a)
-            parts = target.split(".")
-            for i in range(len(parts), 0, -1):
-                candidate = ".".join(parts[:i])
-                if candidate in mods:
-                    if candidate != name:
-                        found.add(candidate)
-                    break
+            while target and target not in modules and target.split(".")[0] == "ddcl_vq":
+                target = target.rpartition(".")[0]
+            if target.split(".")[0] in ("models", "train", "eval"):
+                found.add("TOP-LEVEL " + target)
+            elif target in modules and target != name:
+                found.add(target)
     return found
 
 
-def test_no_import_cycles():
-    mods = project_modules()
-    graph = {name: imports_of(name, path, is_pkg, mods) for name, (path, is_pkg) in mods.items()}
-    state, stack = {}, []
+def layer_of(module: str) -> str:
+    return next(p for p in sorted(LAYER, key=len, reverse=True) if module == p or module.startswith(p + "."))
+
+
+def test_imports_point_down_and_never_at_top_level_names():
+    modules = project_modules()
+    bad = []
+    for name, path in modules.items():
+        for target in imports_of(name, path, modules):
+            if target.startswith("TOP-LEVEL"):
+                bad.append(f"{name} imports {target[10:]} (expected ddcl_vq.{target[10:]})")
+            elif LAYER[layer_of(target)] > LAYER[layer_of(name)]:
+                bad.append(f"{name} imports {target}: arrows only point down ddcl_vq -> models -> train -> eval")
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for target in imports_of("tests." + path.stem, path, modules):
+            if target.startswith("TOP-LEVEL"):
+                bad.append(f"tests/{path.name} imports {target[10:]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    modules = project_modules()
+    graph = {name: sorted(t for t in imports_of(name, path, modules) if t in modules)
+             for name, path in modules.items()}
+    state, stack, cycles = {}, [], []
 
     def visit(node):
         state[node] = "open"
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in graph[node]:
             if state.get(nxt) == "open":
-                cycle = stack[stack.index(nxt):] + [nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
                 visit(nxt)
         stack.pop()
         state[node] = "done"
 
-    for name in sorted(graph):
-        if name not in state:
-            visit(name)
-
-
-def test_ddcl_vq_imports_nothing_of_the_rest():
-    mods = project_modules()
-    for name, (path, is_pkg) in mods.items():
-        if name.split(".")[0] == "ddcl_vq":
-            outside = {m for m in imports_of(name, path, is_pkg, mods) if m.split(".")[0] != "ddcl_vq"}
-            assert not outside, f"{name} imports {sorted(outside)}"
+    for node in graph:
+        if node not in state:
+            visit(node)
+    assert not cycles, "\n".join(cycles)
 
 
 def test_no_isinstance_on_a_concrete_quantizer_outside_ddcl_vq():
     offenders = []
-    for name, (path, _) in project_modules().items():
-        if name.split(".")[0] == "ddcl_vq":
+    for name, path in project_modules().items():
+        if layer_of(name) == "ddcl_vq":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass") \
@@ -95,3 +122,78 @@ def test_no_isinstance_on_a_concrete_quantizer_outside_ddcl_vq():
                 if names & CONCRETE_QUANTIZERS:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, "ask the Quantizer interface instead: " + ", ".join(offenders)
+
+
+def test_import_ddcl_vq_loads_nothing_from_the_other_folders():
+    code = ("import sys, ddcl_vq\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('models', 'train', 'eval') or "
+            "m.startswith(('ddcl_vq.models', 'ddcl_vq.train', 'ddcl_vq.eval', 'torchvision'))]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_pyproject_lists_every_package_folder():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    expected = {name for name, path in project_modules().items() if path.name == "__init__.py"}
+    assert set(setuptools["packages"]) == expected
+    assert setuptools["package-dir"] == {p: f for f, p in FOLDERS.items() if f != "ddcl_vq"}
+
+
+@pytest.fixture
+def user_project(tmp_path):
+    """A user's code base with its own ``models/`` package, ``train.py`` and ``eval.py``: importing
+    any of them fails loudly, so the toolkit must never pick them up."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("raise ImportError('the user\\'s models package')\n")
+    (tmp_path / "train.py").write_text("raise ImportError('the user\\'s train.py')\n")
+    (tmp_path / "eval.py").write_text("raise ImportError('the user\\'s eval.py')\n")
+    return tmp_path
+
+
+def test_user_models_package_and_train_py_do_not_collide(user_project):
+    env = {**os.environ, "PYTHONPATH": str(user_project), "OMP_NUM_THREADS": "1"}
+    run = user_project / "runs" / "two_steps"
+    script = Path(sys.executable).with_name("ddcl-vq")
+    out = subprocess.run([str(script), "train", "--config", str(ROOT / "configs" / "fashion_ddcl.yaml"), "--quiet",
+                          *TINY, "train.steps=2", f"run.dir={run}"],
+                         cwd=user_project, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "checkpoints" / "last.pt").is_file()
+    code = ("import sys\n"
+            "from ddcl_vq.models import VQVAE, Encoder, Decoder\n"
+            "import ddcl_vq.train.builders, ddcl_vq.eval.cli\n"
+            "assert not {'models', 'train', 'eval'} & set(sys.modules), sorted(sys.modules)\n"
+            "try:\n"
+            "    import models\n"
+            "except ImportError as err:\n"
+            "    assert 'the user' in str(err), err\n"
+            "else:\n"
+            "    raise AssertionError('expected the user\\'s own models package')\n")
+    subprocess.run([sys.executable, "-c", code], cwd=user_project, env=env, check=True, timeout=120)
+    assert not (user_project / "models" / "__pycache__").exists()
+    assert sorted(p.name for p in user_project.iterdir()) == ["eval.py", "models", "runs", "train.py"]
+
+
+def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("ddcl_vq-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        zf.extractall(tmp_path / "site")
+        entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"ddcl_vq"}, top
+    assert "ddcl-vq = ddcl_vq.eval.cli:main" in entry_points
+    for name, path in project_modules().items():
+        assert name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py") in names, name
+    # the unpacked wheel, first on the path, imports and runs on its own files
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import ddcl_vq.models, ddcl_vq.train.cli, ddcl_vq.eval.cli\n"
+            "for m in (ddcl_vq.models, ddcl_vq.train.cli, ddcl_vq.eval.cli):\n"
+            "    assert m.__file__.startswith(sys.argv[1]), m.__file__\n"
+            "assert ddcl_vq.eval.cli.main(['--help']) == 0\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "readout-study" in out.stdout

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import VQVAE
-from train import data as data_module
-from train.builders import build_model
-from train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.cli import main as train_main
-from train.config import RENAMED, Config, ConfigError, load_config
-from train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
-from train.loop import train
+from ddcl_vq.models import VQVAE
+from ddcl_vq.train import data as data_module
+from ddcl_vq.train.builders import build_model
+from ddcl_vq.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from ddcl_vq.train.cli import main as train_main
+from ddcl_vq.train.config import RENAMED, Config, ConfigError, load_config
+from ddcl_vq.train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
+from ddcl_vq.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_resume_equals_straight_run(tiny_config, tmp_path):
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "train", "--config", "configs/fashion_hard.yaml", "--quiet",
+    args = [sys.executable, "-m", "ddcl_vq.train", "--config", "configs/fashion_hard.yaml", "--quiet",
             f"run.dir={run}", "train.steps=400", "train.checkpoint_every=2", "model.channels=16",
             "model.res_hidden=8", "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=32",
             "train.eval_images=64"]
@@ -186,7 +186,7 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
 
 
 def test_rho_warning_for_ddcl(tiny_config):
-    from train.builders import build_optimizer
+    from ddcl_vq.train.builders import build_optimizer
     cfg = tiny_config("train.codebook_lr_ratio=1.0")
     with pytest.warns(UserWarning, match="timescale"):
         build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")

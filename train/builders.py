@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, VQPQuantizer
-from models import VQVAE, Decoder, Encoder
+from ddcl_vq.models import VQVAE, Decoder, Encoder
 
 from .config import Config, QuantizerConfig, TrainConfig
 

@@ -1,4 +1,4 @@
-"""``ddcl-vq train`` / ``python -m train`` / ``torchrun ... -m train``."""
+"""``ddcl-vq train`` / ``python -m ddcl_vq.train`` / ``torchrun ... -m ddcl_vq.train``."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options
   ddcl-vq train --config configs/fashion_ddcl.yaml train.steps=200 quantizer.temperature=0.02
 
 A run resumes from RUN_DIR/checkpoints when they exist (kill it and start the same
-command again). Multi-process: torchrun --nproc_per_node 2 -m train --config ...
+command again). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq.train --config ...
 """
 
 

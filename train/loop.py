@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
 from ddcl_vq.distributed import replicas_identical
-from models import VQVAE, VQVAEOutput
+from ddcl_vq.models import VQVAE, VQVAEOutput
 
 from .builders import build_model, build_optimizer, lr_lambda
 from .checkpoint import latest_checkpoint, prune_periodic, save_checkpoint

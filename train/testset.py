@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddcl_vq import CodebookUsage
 from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
-from models import VQVAE
+from ddcl_vq.models import VQVAE
 
 
 def shard(dataset: Dataset, max_images: int = 0) -> tuple[Subset, int]:
