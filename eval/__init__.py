@@ -1,1 +1,11 @@
-"""Evaluators: reconstruction metrics, evaluate, compare, study, bench, and the ddcl-vq CLI."""
+"""The toolkit's jobs beyond training, one subpackage each, and the ``ddcl-vq`` command.
+
+    evaluation   evaluate a run (``evaluate``), reconstruction metrics (``metrics``), compare runs (``compare``)
+    study        train, evaluate and compare every arm of a study config
+    bench        quantizer speed and memory: cost model, probes, measured steps, the command
+    readout      the DDCL readout study (its model is ``ddcl_vq.models.PatchTransformer``)
+    cli          the ``ddcl-vq`` dispatcher (also ``python -m ddcl_vq.eval COMMAND``)
+    machine      what machine a report was measured on
+
+Installed as ``ddcl_vq.eval``; it may import ddcl_vq, ddcl_vq.models and ddcl_vq.train.
+"""

@@ -1,4 +1,4 @@
-"""``ddcl-vq``: one console script, one subcommand per job.
+"""``ddcl-vq`` (also ``python -m ddcl_vq.eval``): one console script, one subcommand per job.
 
 Each subcommand lives in its own module with a ``main(argv)`` function; only the
 subcommands whose module is present are offered, so ``--help`` never lists one that
@@ -14,11 +14,11 @@ from typing import List, Optional
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("ddcl_vq.train.cli", "train a VQ-VAE from a YAML config (also: python -m ddcl_vq.train, torchrun -m ddcl_vq.train)"),
-    "evaluate": ("ddcl_vq.eval.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
-    "compare": ("ddcl_vq.eval.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
-    "study": ("ddcl_vq.eval.study", "train, evaluate and compare every arm of a study config"),
-    "bench": ("ddcl_vq.eval.bench", "quantizer speed and memory, side by side with the peers"),
-    "readout-study": ("ddcl_vq.eval.readout_study", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
+    "evaluate": ("ddcl_vq.eval.evaluation.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
+    "compare": ("ddcl_vq.eval.evaluation.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
+    "study": ("ddcl_vq.eval.study.cli", "train, evaluate and compare every arm of a study config"),
+    "bench": ("ddcl_vq.eval.bench.cli", "quantizer speed and memory, side by side with the peers"),
+    "readout-study": ("ddcl_vq.eval.readout.cli", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
 }
 
 

@@ -1,4 +1,6 @@
-"""Encoder, decoder and the VQVAE that plugs any ddcl_vq quantizer in between."""
+"""Models built on ddcl_vq: the encoder, decoder and ``VQVAE`` that plugs any ddcl_vq quantizer in
+between (``vqvae``), and the patch transformer of the readout study (``patch_transformer``)."""
+from .patch_transformer import PatchTransformer
 from .vqvae import VQVAE, Decoder, Encoder, ResidualBlock, VQVAEOutput
 
-__all__ = ["VQVAE", "VQVAEOutput", "Encoder", "Decoder", "ResidualBlock"]
+__all__ = ["VQVAE", "VQVAEOutput", "Encoder", "Decoder", "ResidualBlock", "PatchTransformer"]

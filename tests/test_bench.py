@@ -3,13 +3,17 @@ import json
 
 import pytest
 
-from ddcl_vq.eval import bench
+from ddcl_vq.eval.bench.cli import main as bench_main
+from ddcl_vq.eval.bench.cost import IMPLS, plan_measurements
+from ddcl_vq.eval.bench.report import format_table
+from ddcl_vq.eval.bench.run import run_bench
+from ddcl_vq.eval.bench.steps import e2e_rows
 
 
 def test_run_bench_tiny_shapes_every_impl():
-    rows = bench.run_bench([(48, 8, 16)], list(bench.IMPLS), warmup=1, repeats=1,
+    rows = run_bench([(48, 8, 16)], list(IMPLS), warmup=1, repeats=1,
                            budget_seconds=5, max_seconds=10, calibration=1e-10)
-    assert len(rows) == len(bench.IMPLS)
+    assert len(rows) == len(IMPLS)
     for r in rows:
         assert {"impl", "N", "D", "K", "ms", "peak_mb"} <= set(r)
         if r.get("skipped"):
@@ -20,39 +24,39 @@ def test_run_bench_tiny_shapes_every_impl():
         assert r["pct_matmul6"] > 0
         if r["impl"] != "vqp":
             assert r.get("x_vqp") is None or r["x_vqp"] > 0
-    text = bench.format_table(rows)
+    text = format_table(rows)
     assert "ddcl-soft-chunked" in text and "matmul6" in text
 
 
 def test_plan_skips_what_does_not_fit_and_says_why():
     cal = 1e-11
-    plans = bench.plan_measurements([(65536, 64, 65536)], ["ddcl-reference", "ddcl-chunked", "vqp"], warmup=1,
+    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-reference", "ddcl-chunked", "vqp"], warmup=1,
                                     repeats=5, max_seconds=1e9, budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
     by = {p.name: p for p in plans}
     assert "memory" in by["ddcl-reference"].skip and "memory" in by["vqp"].skip
     assert by["ddcl-chunked"].skip is None
-    plans = bench.plan_measurements([(65536, 64, 65536)], ["ddcl-chunked"], warmup=1, repeats=5, max_seconds=0.001,
+    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-chunked"], warmup=1, repeats=5, max_seconds=0.001,
                                     budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
     assert "time" in plans[0].skip
 
 
 def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--shapes", "32,4,8", "--impls", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
+    assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
                        "--repeats", "1", "--no-e2e", "--no-progress", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["cores"] >= 1 and data["meta"]["memory_method"] in ("rss", "subprocess")
     assert {r["impl"] for r in data["rows"]} == {"ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
     printed = capsys.readouterr().out
     assert "peak MB" in printed and "% 6mm" in printed
-    rows = bench.e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
+    rows = e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
     assert {r["impl"] for r in rows} == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
     assert all(r["ms"] > 0 and r["K"] == 512 and r["D"] == 64 for r in rows)
 
 
 def test_help_explains_options(capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--help"])
+        bench_main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for option in ("--quick", "--json", "--memory", "--max-seconds", "--threads"):

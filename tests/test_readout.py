@@ -360,7 +360,7 @@ def test_prototype_param_groups_and_timescale_warning():
 # ----------------------------------------------------------------------------- the study, on real data
 
 def test_study_arms_share_the_encoder_initialisation():
-    from ddcl_vq.eval.readout_study import PatchTransformer
+    from ddcl_vq.models import PatchTransformer
 
     def build(kind):
         torch.manual_seed(0)
@@ -372,7 +372,7 @@ def test_study_arms_share_the_encoder_initialisation():
 
 
 def test_help_explains(capsys):
-    from ddcl_vq.eval.readout_study import main
+    from ddcl_vq.eval.readout.cli import main
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -384,7 +384,7 @@ def test_help_explains(capsys):
 def test_quick_study_on_real_data(tmp_path):
     pytest.importorskip("matplotlib")
     from ddcl_vq.train.data import DataUnavailable
-    from ddcl_vq.eval.readout_study import main
+    from ddcl_vq.eval.readout.cli import main
 
     try:
         rc = main(["--quick", "--out", str(tmp_path), "--no-progress", "--arms", "mean,ddcl"])

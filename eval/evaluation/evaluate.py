@@ -1,7 +1,7 @@
 """``ddcl-vq evaluate RUN_DIR``: one pass over a dataset split -> RUN_DIR/eval.json + a table.
 
 Loads RUN_DIR/config.yaml and the newest checkpoint (checkpoints/last.pt, weights_only),
-runs train.testset.reconstruction_pass with SSIM and LPIPS added on the same batches, and
+runs ddcl_vq.train.testset.reconstruction_pass with SSIM and LPIPS added on the same batches, and
 writes eval.json (rank 0 only). Under torchrun every process takes a disjoint share of the
 images and every metric is a float64 sum all-reduced before dividing, so the numbers equal
 a single-process pass up to float summation order.
@@ -29,7 +29,7 @@ dataset-level codebook usage and geometry). Dotted overrides change the run's co
 the evaluation only (e.g. data.root=/path, train.device=cpu).
 
   ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
-  torchrun --nproc_per_node 2 -m eval.evaluate runs/fashion_ddcl
+  torchrun --nproc_per_node 2 -m ddcl_vq.eval evaluate runs/fashion_ddcl
 """
 
 

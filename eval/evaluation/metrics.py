@@ -1,7 +1,7 @@
 """Reconstruction and codebook metrics, every one defined in RECON_DEFINITIONS /
 GEOMETRY_DEFINITIONS (printed under every report together with ddcl_vq.USAGE_DEFINITIONS).
 
-- MSE, PSNR: per image, then averaged over the dataset (train.testset.reconstruction_pass).
+- MSE, PSNR: per image, then averaged over the dataset (ddcl_vq.train.testset.reconstruction_pass).
 - SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5,
   data_range 1), one value per image, averaged over the dataset.
 - LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1],

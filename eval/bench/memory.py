@@ -1,0 +1,99 @@
+"""Peak-memory probes of the bench: in-process (VmHWM reset per probe) or in a fresh process."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+from typing import Optional, Tuple
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class RssProbe:
+    """Peak extra resident memory of a block of code, in MiB (Linux only).
+
+    start(): collect garbage, give freed heap back to the OS (malloc_trim), reset the
+    high-water mark (write "5" to /proc/self/clear_refs) and read VmRSS as the baseline.
+    stop(): VmHWM − baseline.
+    """
+
+    def __init__(self):
+        self._libc = None
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            pass
+        self.base_kb = 0
+
+    @staticmethod
+    def available() -> bool:
+        if _status_kb("VmHWM") is None:
+            return False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base_kb = _status_kb("VmRSS") or 0
+
+    def stop(self) -> float:
+        return max(0, (_status_kb("VmHWM") or 0) - self.base_kb) / 1024.0
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def probe_subprocess(name: str, shape: Tuple[int, int, int]) -> Optional[float]:
+    """Peak extra memory of one run of ``name`` in a fresh interpreter (ru_maxrss growth)."""
+    n, d, k = shape
+    cmd = [sys.executable, "-m", "ddcl_vq.eval.bench", "--_probe", name, str(n), str(d), str(k)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
+    except (subprocess.CalledProcessError, ValueError, KeyError, IndexError):
+        return None
+
+
+def probe_main(name: str, n: int, d: int, k: int) -> int:
+    """The child side of :func:`probe_subprocess` (``python -m ddcl_vq.eval.bench --_probe ...``)."""
+    from .steps import make_inputs, make_step
+
+    import resource
+    small = make_inputs(64, d, min(k, 64))
+    make_step(name, small)()                  # load kernels and lazy state on a tiny shape
+    inp = make_inputs(n, d, k)
+    step = make_step(name, inp)
+    gc.collect()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cur = _status_kb("VmRSS")
+    base = max(base, cur or 0) if cur is not None else base
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": max(0, peak - base) / 1024.0}))
+    return 0

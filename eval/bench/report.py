@@ -1,0 +1,48 @@
+"""The bench table and the method text printed above it."""
+from __future__ import annotations
+
+from typing import List
+
+def format_table(rows: List[dict]) -> str:
+    head = f"{'impl':<26} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("ms") is None:
+            lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
+                         f"skipped: {r.get('skipped', '')}")
+            continue
+        peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+        xv = "" if r.get("x_vqp") is None else f"{r['x_vqp']:.2f}"
+        pm = "" if r.get("pct_matmul6") is None else f"{r['pct_matmul6']:.0f}%"
+        note = []
+        if r.get("runs") == 1 and not r.get("warmup"):
+            note.append("single cold run")
+        elif r.get("probe") == "warmup":
+            note.append(f"{r['runs']} run(s) after warm-up; memory from the warm-up run")
+        if "ratio_vs_hardvq" in r:
+            note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step (median of per-round ratios "
+                        f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds)"
+                        + (f", path={r['path']}" if r.get("path") else ""))
+        lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
+                     + "; ".join(note))
+    return "\n".join(lines)
+
+
+METHOD = """\
+time: fwd+bwd wall clock, median of the timed repeats after warm-up, implementations interleaved
+      round-robin within a shape; {threads} torch thread(s).
+peak MB: {memory_text}
+x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shape.
+% 6mm: rate relative to the six bare matmuls of the full DDCL gradient at the same shape
+      (100% = as fast as the matmuls alone). straight_through DDCL (ddcl-*) needs only three
+      of them (no gradient through q to z), so it can pass 100%.
+DDCL rows: ddcl-<path> = default mode straight_through; ddcl-soft-<path> = soft mode (full gradient)."""
+
+
+MEMORY_TEXT = {
+    "rss": "resident-set high-water mark above the baseline with inputs allocated (malloc_trim, then\n"
+           "      /proc/self/clear_refs resets VmHWM; VmHWM − VmRSS) over one probed run: a separate run after\n"
+           "      warm-up unless the note says it was the warm-up run or a single cold run.",
+    "subprocess": "ru_maxrss growth of one run in a fresh Python process, inputs allocated first.",
+    "none": "not measured (--memory none).",
+}

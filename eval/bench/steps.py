@@ -1,0 +1,148 @@
+"""What the bench measures: one training step of each quantizer implementation on shared
+inputs, the six-matmul floor, and one end-to-end VQ-VAE training step."""
+from __future__ import annotations
+
+import statistics
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from .cost import IMPLS, time_once
+
+@dataclass
+class Inputs:
+    z: torch.Tensor
+    grad: torch.Tensor
+    codebook: torch.Tensor
+
+
+def make_inputs(n: int, d: int, k: int, seed: int = 0) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=g).requires_grad_(True)
+    return Inputs(z=z, grad=torch.randn(n, d, generator=g), codebook=torch.randn(k, d, generator=g))
+
+
+def make_step(name: str, inp: Inputs) -> Callable[[], None]:
+    """A closure that runs one forward + backward of ``name`` on the shared inputs."""
+    n, d = inp.z.shape
+    k = inp.codebook.shape[0]
+    if name == "matmul6":
+        z, w, gr = inp.z.detach(), inp.codebook, inp.grad
+        q = torch.rand(n, k)
+        p = torch.zeros(n, k)                  # touched now: no page faults inside the timed run
+        out_nd = torch.zeros(n, d)
+        out_kd = torch.zeros(k, d)
+
+        def step():
+            torch.mm(z, w.t(), out=p)          # forward: logits
+            torch.mm(q, w, out=out_nd)         # forward: soft codes
+            torch.mm(gr, w.t(), out=p)         # backward: G·Wᵀ
+            torch.mm(q, w, out=out_nd)         # backward: dd·W
+            torch.mm(q.t(), z, out=out_kd)     # backward: ddᵀ·Z
+            torch.mm(q.t(), gr, out=out_kd)    # backward: Qᵀ·G
+        return step
+
+    from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
+    if name.startswith("ddcl"):
+        parts = name.split("-")
+        mode = "soft" if parts[1] == "soft" else "straight_through"
+        impl = parts[-1]
+        quant = DDCLQuantizer(k, d, mode=mode, implementation=impl, codebook_init="normal", channel_dim=-1)
+        quant.weight.data.copy_(inp.codebook)
+    elif name == "hardvq":
+        quant = HardVQ(k, d, channel_dim=-1)
+        quant.weight.data.copy_(inp.codebook)
+    elif name == "emavq":
+        quant = EMAVQ(k, d, channel_dim=-1)
+        quant.embed.copy_(inp.codebook)
+    elif name == "vqp":
+        quant = VQPQuantizer(k, d, channel_dim=-1)
+    else:
+        raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
+    quant.train()
+    one = torch.ones(())
+    z, gr = inp.z, inp.grad
+
+    def step():
+        out = quant(z)
+        torch.autograd.backward([out.quantized, out.loss], [gr, one])
+        z.grad = None
+        for p in quant.parameters():
+            p.grad = None
+    return step
+
+
+def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True) -> List[dict]:
+    """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ.
+
+    Models: configs/fashion_ddcl.yaml and configs/fashion_hard.yaml through the training
+    package's builders when it is importable, else ``VQVAE(Encoder(), Q(512, 64), Decoder())``
+    with AdamW. ``with_reference`` adds the DDCL model on the reference path.
+    """
+    from ddcl_vq import DDCLQuantizer, HardVQ
+    models = {}
+    root = Path(__file__).resolve().parents[2]  # the repository: eval/bench/steps.py
+    source = "ddcl_vq.models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
+    try:
+        from ddcl_vq.train.builders import build_model, build_optimizer
+        from ddcl_vq.train.config import load_config
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for label, cfg_name in (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml")):
+                cfg = load_config(root / "configs" / cfg_name)
+                torch.manual_seed(0)
+                model = build_model(cfg, in_channels=1)
+                opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
+                models[label] = (model, opt, cfg.train.quantizer_loss_weight)
+        source = "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.train.builders"
+    except Exception:  # the training package is not there: the documented default model
+        from ddcl_vq.models import VQVAE, Decoder, Encoder
+        for label, q in (("ddcl", DDCLQuantizer(512, 64)), ("hardvq", HardVQ(512, 64))):
+            torch.manual_seed(0)
+            model = VQVAE(Encoder(), q, Decoder())
+            models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
+    if with_reference:  # the same DDCL model on the reference path: what the fused path buys end to end
+        import copy
+        ref_model = copy.deepcopy(models["ddcl"][0])
+        ref_model.quantizer.implementation = "reference"
+        ref_opt = type(models["ddcl"][1])(ref_model.parameters(), lr=2e-3)
+        models["ddcl-reference"] = (ref_model, ref_opt, models["ddcl"][2])
+    x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def make(model, opt, weight):
+        model.train()
+
+        def step():
+            out = model(x)
+            loss = torch.nn.functional.mse_loss(out.reconstruction, x) + weight * out.quantizer.loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return step
+
+    steps = {label: make(*v) for label, v in models.items()}
+    for s in steps.values():
+        for _ in range(warmup):
+            s()
+    times = {label: [] for label in steps}
+    for r in range(repeats):
+        order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
+        for label in order:
+            times[label].append(time_once(steps[label]))
+    med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
+    n = batch * 8 * 8
+    out = []
+    for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
+        q = models[label][0].quantizer
+        impl = q.resolve_implementation(n) if hasattr(q, "resolve_implementation") else None
+        # the ratio of the medians, and the median of the per-round ratios (robust to a
+        # neighbour's load changing between rounds: both steps of a round share it)
+        paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
+        out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, ms=round(med[label], 3), peak_mb=None,
+                        batch=batch, runs=repeats, path=impl, source=source,
+                        ratio_vs_hardvq=round(med[label] / med["hardvq"], 3),
+                        paired_ratio_vs_hardvq=round(paired, 3)))
+    return out

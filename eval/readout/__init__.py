@@ -1,0 +1,11 @@
+"""``ddcl-vq readout-study``: DDCL readout vs mean pooling vs a class token, plus the compressor.
+
+One small patch transformer on real Fashion-MNIST, trained once per readout arm at the same
+budget (same steps, batch, learning rate, seed, data order and encoder initialisation); then
+the hierarchical compressor on the DDCL arm's frozen token features. Writes ``results.json``,
+``report.md`` and PNG plots to ``--out``.
+
+Modules: ``data`` (Fashion-MNIST as patch tokens), ``training`` (the arms and their training
+loop), ``compressor`` (the hierarchical compressor on frozen tokens), ``report`` (report.md and
+plots), ``cli`` (the command and its options). The model is :class:`ddcl_vq.models.PatchTransformer`.
+"""
