@@ -472,3 +472,34 @@ def test_ddcl_vq_imports_no_host_library():
             "if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- the DDCL options, declared once
+
+def test_ddcl_options_are_the_quantizers_keyword_arguments_shared_by_every_adapter():
+    import dataclasses
+    import inspect
+
+    from ddcl_vq import DDCLQuantizer
+    from ddcl_vq.adapters import DDCL_OPTIONS, DDCLOptions
+
+    params = inspect.signature(DDCLQuantizer.__init__).parameters
+    expected = {n: p.default for n, p in params.items() if n not in ("self", "num_codes", "dim", "channel_dim")}
+    assert {f.name: f.default for f in dataclasses.fields(DDCLOptions)} == expected
+    assert set(DDCL_OPTIONS) == set(expected)
+    assert {"temperature", "mode", "beta", "codebook_init", "implementation", "chunk_size"} <= set(DDCL_OPTIONS)
+    options = dict(temperature=0.05, mode="soft", codebook_init="normal", implementation="reference", chunk_size=16)
+    adapters = [TamingQuantizerAdapter(8, 4, 0.5, **options), NotebookQuantizerAdapter(8, 4, 0.5, **options),
+                VQPAdapter(4, 8, commitment_weight=0.5, **options)]
+    for adapter in adapters:
+        q = adapter.ddcl
+        assert (q.temperature, q.mode, q.codebook_init, q.implementation, q.chunk_size, q.beta) == (
+            0.05, "soft", "normal", "reference", 16, 0.5)
+    for make in (lambda: TamingQuantizerAdapter(8, 4, temperatur=0.1), lambda: NotebookQuantizerAdapter(8, 4, moed="x"),
+                 lambda: VQPAdapter(4, 8, chunk=3)):
+        with pytest.raises(ValueError, match="expected DDCL options among"):
+            make()
+    with pytest.raises(ValueError, match="commitment weight once, as commitment_cost"):
+        NotebookQuantizerAdapter(8, 4, 0.5, beta=0.3)
+    with pytest.raises(ValueError, match="commitment weight once, as commitment_weight"):
+        VQPAdapter(4, 8, beta=0.3)

@@ -1,0 +1,64 @@
+"""What every adapter shares: the DDCL quantizer registered after the host-named modules, its
+codebook saved under the host's key, and ``last_output`` (detached) for logging."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..base import QuantizerOutput
+from ..ddcl import DDCLQuantizer
+
+
+def _detached(out: QuantizerOutput) -> QuantizerOutput:
+    """A copy of ``out`` that holds no autograd graph (for ``last_output``)."""
+    return QuantizerOutput(
+        quantized=out.quantized.detach(), indices=out.indices, loss=out.loss.detach(),
+        terms={k: v.detach() for k, v in out.terms.items()},
+        perplexity=None if out.perplexity is None else out.perplexity.detach(),
+        soft_counts=None if out.soft_counts is None else out.soft_counts.detach())
+
+
+def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,
+                          local_metadata: Dict[str, Any]) -> None:
+    # The codebook Parameter is registered twice (host name and ddcl.weight); save it once,
+    # under the host's name, so checkpoints keep the host's keys (and safetensors accepts them).
+    if module._host_codebook_key != "ddcl.weight":
+        state_dict.pop(prefix + "ddcl.weight", None)
+    state_dict.pop(prefix + "ddcl.schedule", None)  # the temperature schedule: the host has none
+
+
+def _restore_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,
+                             local_metadata: Dict[str, Any], strict: bool, missing_keys: List[str],
+                             unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    host_key = prefix + module._host_codebook_key
+    if host_key in state_dict:
+        state_dict.setdefault(prefix + "ddcl.weight", state_dict[host_key])
+        module.ddcl.initialized.fill_(True)  # a loaded codebook is an initialised codebook
+
+
+class _DDCLAdapter(nn.Module):
+    """Shared plumbing: registers ``ddcl`` (after the host-named modules), keeps ``last_output``."""
+
+    _host_codebook_key = "ddcl.weight"
+
+    def _attach(self, ddcl: DDCLQuantizer) -> None:
+        self.ddcl = ddcl
+        # Not saved: state_dicts keep the host's keys; loading a codebook marks it initialised.
+        ddcl.register_buffer("initialized", ddcl.initialized, persistent=False)
+        ddcl.register_buffer("schedule_step", ddcl.schedule_step, persistent=False)
+        self.last_output: Optional[QuantizerOutput] = None
+        self.register_state_dict_post_hook(_drop_ddcl_weight_key)
+        self.register_load_state_dict_pre_hook(_restore_ddcl_weight_key)
+
+    def _run_ddcl(self, z: Tensor) -> QuantizerOutput:
+        out = self.ddcl(z)
+        self.last_output = _detached(out)
+        return out
+
+    @torch.no_grad()
+    def _load_codebook(self, codebook: Tensor) -> None:
+        """Make the DDCL codebook a copy of ``codebook`` (K, D): same values, device and dtype."""
+        # .data keeps the Parameter object, so a host-named alias (embedding.weight) stays the same tensor.
+        self.ddcl.weight.data = codebook.detach().clone()

@@ -1,0 +1,64 @@
+"""The DDCL options every adapter accepts, declared once: :class:`DDCLOptions`.
+
+Its fields are :class:`~ddcl_vq.DDCLQuantizer`'s keyword arguments (name and default), read
+from the constructor's signature, except what the adapter sets from the host (``num_codes``,
+``dim``, ``channel_dim``). An option added to ``DDCLQuantizer`` is therefore an adapter option
+too, with the same default. ``beta`` (the commitment weight) defaults to the host's own weight.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Dict, Mapping, Optional
+
+from ..ddcl import DDCLQuantizer
+
+# set by the adapter from the host quantizer, not options
+HOST_ARGUMENTS = ("num_codes", "dim", "channel_dim")
+
+
+def _option_fields():
+    params = inspect.signature(DDCLQuantizer.__init__).parameters.values()
+    return [(p.name, Any, dataclasses.field(default=p.default)) for p in params
+            if p.name != "self" and p.name not in HOST_ARGUMENTS
+            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty]
+
+
+def _from_kwargs(cls, options: Mapping[str, Any], *, beta: Optional[float] = None,
+                 beta_name: str = "beta") -> "DDCLOptions":
+    """Validated options from keyword arguments. Unknown names are a ValueError that lists the
+    valid ones. ``beta``: the commitment weight from the host's own argument ``beta_name``; it may
+    not be given a second time as ``beta`` in ``options``."""
+    unknown = sorted(set(options) - set(DDCL_OPTIONS))
+    if unknown:
+        raise ValueError(f"expected DDCL options among {DDCL_OPTIONS}, got unknown {unknown}")
+    values = dict(options)
+    if beta is not None:
+        if "beta" in values:
+            raise ValueError(f"expected the commitment weight once, as {beta_name}=..., got beta={values['beta']!r} "
+                             "as well")
+        values["beta"] = float(beta)
+    return cls(**values)
+
+
+def _as_kwargs(self) -> Dict[str, Any]:
+    """The options as ``DDCLQuantizer`` keyword arguments."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _build(self, num_codes: int, dim: int, channel_dim: int) -> DDCLQuantizer:
+    """A ``DDCLQuantizer(num_codes, dim, channel_dim=channel_dim, **options)``."""
+    return DDCLQuantizer(num_codes, dim, channel_dim=channel_dim, **self.as_kwargs())
+
+
+DDCLOptions = dataclasses.make_dataclass(
+    "DDCLOptions", _option_fields(),
+    namespace={"from_kwargs": classmethod(_from_kwargs), "as_kwargs": _as_kwargs, "build": _build,
+               "__doc__": "The DDCL options shared by every adapter and :func:`~ddcl_vq.swap_quantizer`: "
+                          "DDCLQuantizer's keyword arguments and defaults (temperature, mode, beta, "
+                          "codebook_init, implementation, chunk_size, ...), all but num_codes, dim and "
+                          "channel_dim, which come from the host."})
+DDCLOptions.__module__ = __name__
+
+DDCL_OPTIONS = tuple(f.name for f in dataclasses.fields(DDCLOptions))
+
