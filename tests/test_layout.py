@@ -11,6 +11,7 @@
 """
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -175,8 +176,13 @@ def test_user_models_package_and_train_py_do_not_collide(user_project):
 
 
 def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info next to the sources
+    for name in FOLDERS:
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
     wheel = next(tmp_path.glob("ddcl_vq-*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
