@@ -9,10 +9,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .errors import UserError
+
 KEEP_PERIODIC = 3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint file is missing, truncated or corrupted; the message names the file."""
 
 

@@ -1,9 +1,12 @@
 """``ddcl-vq train`` / ``python -m ddcl_vq.train`` / ``torchrun ... -m ddcl_vq.train``."""
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from typing import List, Optional
+
+from .errors import entry_point
+from .schema import Options, Rules, option
 
 HELP = """\
 Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options, e.g.
@@ -15,33 +18,33 @@ command again). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq.train --co
 """
 
 
+@dataclass(kw_only=True)
+class TrainOptions:
+    config: str = option(help="YAML config (see configs/)")
+    overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
+                                  metavar="key=value")
+    quiet: bool = option(False, "no progress bar or summary")
+    stop_after: Optional[int] = option(None, "leave after STEPS steps in this session with a checkpoint "
+                                             "(pre-emptible jobs); the same command resumes", metavar="STEPS")
+    print_config: bool = option(False, "print the resolved config and exit")
+
+
+OPTIONS = Options(TrainOptions, prog="ddcl-vq train", description=HELP, rules=Rules(positive={"stop_after"}))
+
+
+@entry_point("ddcl-vq train")
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddcl-vq train", description=HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    parser.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
-                        help="leave after STEPS steps in this session with a checkpoint (pre-emptible "
-                             "jobs); the same command resumes")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
+    opts = OPTIONS.parse(argv)
 
-    from .checkpoint import CheckpointError
-    from .config import ConfigError, dump_config, load_config
-    from .data import DataUnavailable
+    from .config import dump_config, load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            print(dump_config(cfg), end="")
-            return 0
-        from .loop import teardown_distributed, train
-        train(cfg, quiet=args.quiet, stop_after=args.stop_after)
-        teardown_distributed()  # after success only: a barrier after a failure could hang
-    except (ConfigError, DataUnavailable, CheckpointError) as err:
-        print(f"ddcl-vq train: error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(opts.config, opts.overrides)
+    if opts.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    from .loop import teardown_distributed, train
+    train(cfg, quiet=opts.quiet, stop_after=opts.stop_after)
+    teardown_distributed()  # after success only: a barrier after a failure could hang
     return 0
 
 

@@ -2,24 +2,24 @@
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-Every key is checked up front: an unknown key is an error naming the key and the
-nearest valid one; a wrong type or a value outside a key's choices names the key,
-what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
+Every key is checked up front (by :mod:`ddcl_vq.train.schema`, the checks every command's
+settings go through): an unknown key is an error naming the key and the nearest valid one;
+a wrong type or a value outside a key's choices names the key, what was expected and what
+came. ``to_dict`` / ``from_dict`` round-trip exactly.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from .schema import ConfigError, Rules, apply, check, keys_of, nearest
 
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names the dotted key."""
+__all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
+           "validate", "RENAMED", "migrate_renamed"]
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Config:
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "Config":
         cfg = cls()
-        _apply(cfg, raw or {}, prefix="")
+        apply(cfg, raw or {}, candidates=all_keys(), unknown=_unknown_key)
         validate(cfg)
         return cfg
 
@@ -134,24 +134,11 @@ NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "q
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
-    obj = Config() if obj is None else obj
-    keys = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            keys += all_keys(value, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
+    return keys_of(Config() if obj is None else obj, prefix)
 
 
 def _nearest(key: str) -> str:
-    keys = all_keys()
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
-    leaf = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in keys], n=1, cutoff=0.6)
-    if leaf:
-        match = [k for k in keys if k.endswith("." + leaf[0])][:1] or match
-    return match[0] if match else "?"
+    return nearest(key, all_keys())
 
 
 def _unknown_key(key: str) -> ConfigError:
@@ -175,61 +162,8 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
     return raw
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Union and type(None) in args:
-        if value is None:
-            return None
-        annotation = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(annotation)
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-    elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif annotation is str:
-        if isinstance(value, str):
-            return value
-    elif origin is dict or annotation is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    else:  # pragma: no cover - schema uses only the types above
-        return value
-    name = getattr(annotation, "__name__", str(annotation))
-    raise ConfigError(f"config key {key!r}: expected {name}, got {value!r} ({type(value).__name__})")
-
-
-def _apply(obj: Any, raw: Dict[str, Any], prefix: str) -> None:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for name, value in raw.items():
-        key = prefix + str(name)
-        if name not in names:
-            raise _unknown_key(key)
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current):
-            _apply(current, value, key + ".")
-        else:
-            setattr(obj, name, _coerce(key, value, hints[name]))
-
-
 def validate(cfg: Config) -> None:
-    for key in all_keys():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ConfigError(f"config key {key!r}: expected one of {list(CHOICES[key])}, got {value!r}")
-        if key in POSITIVE and not value > 0:
-            raise ConfigError(f"config key {key!r}: expected a value > 0, got {value!r}")
-        if key in NON_NEGATIVE and not value >= 0:
-            raise ConfigError(f"config key {key!r}: expected a value >= 0, got {value!r}")
+    check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
     if not cfg.quantizer.decay < 1:
         raise ConfigError(f"config key 'quantizer.decay': expected a value < 1, got {cfg.quantizer.decay!r}")
     tf = cfg.quantizer.temperature_final

@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from .errors import UserError
+
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
 
 
-class DataUnavailable(RuntimeError):
+class DataUnavailable(UserError, RuntimeError):
     """A dataset could not be found or downloaded; the message names the ways to get it."""
 
 

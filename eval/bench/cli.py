@@ -1,17 +1,18 @@
 """``ddcl-vq bench`` / ``python -m ddcl_vq.eval.bench``: the command and its options."""
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 
-from ddcl_vq.eval.machine import machine_info
+from ddcl_vq.eval.machine import load_average, machine_info
+from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.schema import ConfigError, Options, Rules, option
 
 from .cost import IMPLS, calibrate, plan_measurements
 from .memory import available_memory_bytes, probe_main
@@ -24,56 +25,59 @@ FULL_K = (512, 1024, 8192, 65536)
 QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ddcl-vq bench",
-        description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, "
-                    "chunked paths; straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch "
-                    "VectorQuantize (defaults) and the six-matmul floor, plus one default VQ-VAE training step "
-                    "with DDCL vs HardVQ. Prints a table; --json writes the rows.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
-               "in memory or in --max-seconds is skipped and listed with the reason.\n"
-               "Example: ddcl-vq bench --quick --json bench.json")
-    p.add_argument("--quick", action="store_true",
-                   help="N=8192, D=64, K in {1024, 8192} and the VQ-VAE step; under a minute on 2 cores")
-    p.add_argument("--json", metavar="FILE", help="write {'meta': ..., 'rows': [{impl, N, D, K, ms, peak_mb, ...}]}")
-    p.add_argument("--shapes", nargs="+", metavar="N,D,K", help="measure these shapes instead of the grid")
-    p.add_argument("--impls", nargs="+", choices=sorted(IMPLS), metavar="IMPL",
-                   help=f"subset of implementations (default all): {', '.join(IMPLS)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up runs per measurement (default 1)")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="skip a measurement whose single run is estimated above this (default 300; quick 20)")
-    p.add_argument("--budget-seconds", type=float, default=None,
-                   help="cut repeats so one measurement takes about this long (default 20; quick 5)")
-    p.add_argument("--max-memory-gb", type=float, default=None,
-                   help="skip what would need more than this (default: 75%% of MemAvailable)")
-    p.add_argument("--memory", choices=("rss", "subprocess", "none"), default="rss",
-                   help="peak-memory method (default rss: in-process VmHWM reset per probe)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    p.add_argument("--no-e2e", action="store_true", help="skip the VQ-VAE training-step comparison")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (estimated seconds and memory, runs, skips) and exit without measuring")
-    p.add_argument("--_probe", nargs=4, metavar=("IMPL", "N", "D", "K"), help=argparse.SUPPRESS)
-    return p
+@dataclass(kw_only=True)
+class BenchOptions:
+    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192} and the VQ-VAE step; under a minute on 2 cores")
+    json: Optional[str] = option(None, "write {'meta': ..., 'rows': [{impl, N, D, K, ms, peak_mb, ...}]}",
+                                 metavar="FILE")
+    shapes: Optional[List[str]] = option(None, "measure these shapes instead of the grid", nargs="+", metavar="N,D,K")
+    impls: Optional[List[str]] = option(None, f"subset of implementations: {', '.join(IMPLS)}", nargs="+",
+                                        metavar="IMPL", default_text="all")
+    repeats: int = option(5, "timed repeats per measurement")
+    warmup: int = option(1, "warm-up runs per measurement")
+    max_seconds: float = option(300.0, "skip a measurement whose single run is estimated above this")
+    budget_seconds: float = option(20.0, "cut repeats so one measurement takes about this long")
+    max_memory_gb: Optional[float] = option(None, "skip what would need more than this",
+                                            default_text="75% of MemAvailable")
+    memory: str = option("rss", "peak-memory method (rss: in-process VmHWM reset per probe)")
+    threads: Optional[int] = option(None, "torch threads", default_text="torch's default")
+    no_e2e: bool = option(False, "skip the VQ-VAE training-step comparison")
+    no_progress: bool = option(False, "no progress bar")
+    dry_run: bool = option(False, "print the plan (estimated seconds and memory, runs, skips) and exit without "
+                                  "measuring")
+    probe: Optional[List[str]] = option(None, flag="--_probe", nargs=4, hidden=True)  # the child of --memory subprocess
+
+
+OPTIONS = Options(
+    BenchOptions, prog="ddcl-vq bench",
+    description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, "
+                "chunked paths; straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch "
+                "VectorQuantize (defaults) and the six-matmul floor, plus one default VQ-VAE training step "
+                "with DDCL vs HardVQ. Prints a table; --json writes the rows.",
+    epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
+           "in memory or in --max-seconds is skipped and listed with the reason.\n"
+           "Example: ddcl-vq bench --quick --json bench.json",
+    rules=Rules(choices={"impls": tuple(IMPLS), "memory": ("rss", "subprocess", "none")},
+                positive={"repeats", "max_seconds", "budget_seconds", "max_memory_gb"},
+                non_negative={"warmup", "threads"}),
+    presets={"quick": {"repeats": 2, "max_seconds": 20.0, "budget_seconds": 5.0}})
 
 
 def parse_shape(text: str) -> Tuple[int, int, int]:
     try:
         n, d, k = (int(v) for v in text.split(","))
     except ValueError:
-        raise SystemExit(f"ddcl-vq bench: expected a shape N,D,K like 8192,64,1024, got {text!r}")
+        raise ConfigError(f"option --shapes: expected N,D,K like 8192,64,1024, got {text!r}") from None
     if min(n, d, k) <= 0:
-        raise SystemExit(f"ddcl-vq bench: expected positive N,D,K, got {text!r}")
+        raise ConfigError(f"option --shapes: expected positive N,D,K, got {text!r}")
     return n, d, k
 
 
+@entry_point("ddcl-vq bench")
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args._probe:
-        name, n, d, k = args._probe
+    args = OPTIONS.parse(argv)
+    if args.probe:
+        name, n, d, k = args.probe
         return probe_main(name, int(n), int(d), int(k))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,14 +89,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         shapes = [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K]
     impls = args.impls or list(IMPLS)
-    warmup = args.warmup if args.warmup is not None else 1
-    repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
-    max_seconds = args.max_seconds if args.max_seconds is not None else (20.0 if quick else 300.0)
-    budget = args.budget_seconds if args.budget_seconds is not None else (5.0 if quick else 20.0)
+    warmup, repeats, max_seconds, budget = args.warmup, args.repeats, args.max_seconds, args.budget_seconds
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
     if args.dry_run:
-        if args.threads:
-            torch.set_num_threads(args.threads)
         cal = calibrate()
         mb = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
         plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
@@ -114,10 +113,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
-    try:
-        meta["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        pass
+    end_load = load_average()
+    if end_load is not None:
+        meta["loadavg_end"] = end_load
     print(f"ddcl-vq bench — {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
           f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")
     if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:

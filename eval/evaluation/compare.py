@@ -11,16 +11,19 @@ or was made on another split / number of images than asked for. Writes into DIR:
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.schema import Options, Rules, option
 
 from .evaluate import EvaluateError, evaluate_run, load_run
 from .metrics import definitions
@@ -337,30 +340,32 @@ def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(kw_only=True)
+class CompareOptions:
+    run_dirs: List[str] = option(help="run directories written by ddcl-vq train", positional=True, nargs="+",
+                                 metavar="RUN_DIR")
+    out: str = option(help="output directory for tables and plots")
+    split: str = option("test", "dataset split")
+    max_images: int = option(0, "images per evaluation (0 = whole split)")
+    batch_size: int = option(256, "images per batch")
+    grid_images: int = option(8, "test images in reconstructions.png")
+    quiet: bool = option(False, "no table on stdout")
+
+
+OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__,
+                  rules=Rules(choices={"split": ("train", "test")}, positive={"batch_size"},
+                              non_negative={"max_images", "grid_images"}))
+
+
+@entry_point("ddcl-vq compare")
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddcl-vq compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--out", required=True, help="output directory for tables and plots")
-    parser.add_argument("--split", default="test", choices=["train", "test"])
-    parser.add_argument("--max-images", type=int, default=0, help="images per evaluation (0 = whole split)")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--grid-images", type=int, default=8, help="test images in reconstructions.png")
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    from ddcl_vq.train.checkpoint import CheckpointError
-    from ddcl_vq.train.config import ConfigError
-    from ddcl_vq.train.data import DataUnavailable
-    command = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
-    try:
-        rows = compare(args.run_dirs, args.out, args.split, args.max_images, args.batch_size,
-                       grid_images=args.grid_images, progress=not args.quiet, command=command)
-    except (EvaluateError, ConfigError, CheckpointError, DataUnavailable) as err:
-        print(f"ddcl-vq compare: error: {err}", file=sys.stderr)
-        return 2
-    if not args.quiet:
+    opts = OPTIONS.parse(argv)
+    cmd = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
+    rows = compare(opts.run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
+                   grid_images=opts.grid_images, progress=not opts.quiet, command=cmd)
+    if not opts.quiet:
         print(markdown_table(rows))
-        print(f"\nwrote table.md, table.csv, table.json and 4 plots to {args.out}")
+        print(f"\nwrote table.md, table.csv, table.json and 4 plots to {opts.out}")
         print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions())
     return 0
 

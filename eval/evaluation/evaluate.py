@@ -8,17 +8,20 @@ a single-process pass up to float summation order.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import math
 import shlex
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from ddcl_vq.train.errors import UserError, entry_point
+from ddcl_vq.train.schema import Options, Rules, option
 
 from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 
@@ -33,7 +36,7 @@ the evaluation only (e.g. data.root=/path, train.device=cpu).
 """
 
 
-class EvaluateError(RuntimeError):
+class EvaluateError(UserError, RuntimeError):
     """The run directory cannot be evaluated (missing dir, config or checkpoint)."""
 
 
@@ -180,37 +183,34 @@ def format_report(ev: Dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddcl-vq evaluate", description=HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run directory written by ddcl-vq train")
-    parser.add_argument("--split", default="test", choices=["train", "test"])
-    parser.add_argument("--max-images", type=int, default=0, help="first N images of the split (0 = all)")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    args = parser.parse_intermixed_args(argv)
-    if args.max_images < 0 or args.batch_size <= 0:
-        print("ddcl-vq evaluate: error: expected --max-images >= 0 and --batch-size > 0, got "
-              f"{args.max_images} and {args.batch_size}", file=sys.stderr)
-        return 2
+@dataclass(kw_only=True)
+class EvaluateOptions:
+    run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
+    split: str = option("test", "dataset split")
+    max_images: int = option(0, "first N images of the split (0 = all)")
+    batch_size: int = option(256, "images per batch")
+    quiet: bool = option(False, "no progress bar or table")
+    overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
+                                  metavar="key=value")
 
-    from ddcl_vq.train.checkpoint import CheckpointError
-    from ddcl_vq.train.config import ConfigError
-    from ddcl_vq.train.data import DataUnavailable
+
+OPTIONS = Options(EvaluateOptions, prog="ddcl-vq evaluate", description=HELP, intermixed=True,
+                  rules=Rules(choices={"split": ("train", "test")}, positive={"batch_size"},
+                              non_negative={"max_images"}))
+
+
+@entry_point("ddcl-vq evaluate")
+def main(argv: Optional[List[str]] = None) -> int:
+    opts = OPTIONS.parse(argv)
 
     from ddcl_vq.distributed import rank
 
-    command = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
-    try:
-        ev = evaluate_run(args.run_dir, args.split, args.max_images, args.batch_size, args.overrides,
-                          progress=not args.quiet, command=command)
-    except (EvaluateError, ConfigError, CheckpointError, DataUnavailable) as err:
-        print(f"ddcl-vq evaluate: error: {err}", file=sys.stderr)
-        return 2
-    if rank() == 0 and not args.quiet:
+    cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
+    ev = evaluate_run(opts.run_dir, opts.split, opts.max_images, opts.batch_size, opts.overrides,
+                      progress=not opts.quiet, command=cmd)
+    if rank() == 0 and not opts.quiet:
         print(format_report(ev))
-        print(f"\nwrote {Path(args.run_dir) / 'eval.json'}")
+        print(f"\nwrote {Path(opts.run_dir) / 'eval.json'}")
     return 0
 
 

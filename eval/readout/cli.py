@@ -1,13 +1,14 @@
 """``ddcl-vq readout-study`` / ``python -m ddcl_vq.eval.readout``: the command and its options."""
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime as _dt
 import json
 import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,17 +16,13 @@ import torch
 
 from ddcl_vq.eval.machine import describe_machine
 from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
+from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.schema import ConfigError, Options, Rules, option
 
 from .compressor import run_compressor
 from .data import load_patches
 from .report import plots, report
 from .training import ARMS, train_arm
-
-DEFAULTS = dict(steps=1000, batch_size=128, lr=1e-3, eval_every=200, train_size=60000, test_size=10000,
-                compressor_steps=300, compressor_train=8192, compressor_test=2000)
-
-QUICK = dict(steps=80, batch_size=64, lr=2e-3, eval_every=40, train_size=4096, test_size=1000,
-             compressor_steps=10, compressor_train=256, compressor_test=128)
 
 HELP = """\
 Train a small transformer encoder over 4x4 image patches of real Fashion-MNIST (49 tokens,
@@ -56,64 +53,62 @@ The default budget (3 arms x 1,000 steps, 1 thread) takes about 6-7 minutes on a
 """
 
 
-def parse_args(argv: Optional[List[str]]):
-    p = argparse.ArgumentParser(prog="ddcl-vq readout-study", description=HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/readout_study", help="output folder (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a seconds-long run on data subsets (for tests)")
-    p.add_argument("--arms", default="mean,cls,ddcl", help=f"comma list from {', '.join(ARMS)} (default: %(default)s)")
-    p.add_argument("--steps", type=int, help=f"training steps per arm (default {DEFAULTS['steps']}, quick {QUICK['steps']})")
-    p.add_argument("--batch-size", type=int, help=f"default {DEFAULTS['batch_size']}, quick {QUICK['batch_size']}")
-    p.add_argument("--lr", type=float, help=f"Adam lr of every arm (default {DEFAULTS['lr']}, quick {QUICK['lr']})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-size", type=int, help=f"training images (default {DEFAULTS['train_size']})")
-    p.add_argument("--test-size", type=int, help=f"test images (default {DEFAULTS['test_size']} = all)")
-    p.add_argument("--eval-every", type=int, help="steps between test-accuracy points")
-    p.add_argument("--log-every", type=int, default=25, help="steps per logged training record")
-    p.add_argument("--patch", type=int, default=4, choices=(2, 4, 7, 14), help="patch size (default 4: 49 tokens)")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--num-prototypes", type=int, default=64, help="K of the DDCL readout")
-    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="τ relative to D")
-    p.add_argument("--prototype-init", default="kmeans", choices=("kmeans", "normal"),
-                   help="DDCL prototypes: k-means on the first batch's tokens, or N(0, 1) (default: %(default)s)")
-    p.add_argument("--loss-weight", type=float, default=1.0, help="λ in CE + λ·distortion/D")
-    p.add_argument("--prototype-lr-ratio", type=float, default=DEFAULT_PROTOTYPE_LR_RATIO,
-                   help="prototype lr / encoder lr (timescale condition: > 1)")
-    p.add_argument("--windows", default="2,2,2,2,2,2", help="compressor window per stage (default: %(default)s)")
-    p.add_argument("--compressor-prototypes", type=int, default=64, help="K per compressor stage")
-    p.add_argument("--compressor-steps", type=int)
-    p.add_argument("--compressor-lr", type=float, default=1e-2)
-    p.add_argument("--compressor-train", type=int, help="training images whose tokens train the compressor")
-    p.add_argument("--compressor-test", type=int, help="test images whose tokens measure it")
-    p.add_argument("--no-compressor", action="store_true", help="skip the compressor part")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on cores shared with other jobs, 2 threads ran a step "
-                        "15x slower than 1; on an idle machine 2 are about 1.7x faster)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    args = p.parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
-    for key, value in base.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in args.arms if a not in ARMS]
-    if bad or not args.arms:
-        p.error(f"unknown arm(s) {bad}; expected a comma list from {', '.join(ARMS)}")
-    try:
-        args.windows = [int(w) for w in args.windows.split(",") if w.strip()]
-    except ValueError:
-        p.error(f"expected --windows as comma-separated positive ints, got {args.windows!r}")
-    if not args.windows or min(args.windows) < 1:
-        p.error(f"expected --windows as comma-separated positive ints, got {args.windows!r}")
-    for key in ("threads", "steps", "batch_size", "train_size", "test_size", "eval_every", "log_every", "compressor_steps",
-                "compressor_train", "compressor_test"):
-        if getattr(args, key) <= 0:
-            p.error(f"expected --{key.replace('_', '-')} > 0, got {getattr(args, key)}")
-    return args
+@dataclass(kw_only=True)
+class ReadoutOptions:
+    out: str = option("runs/readout_study", "output folder")
+    quick: bool = option(False, "a seconds-long run on data subsets (for tests)")
+    arms: List[str] = option(default_factory=lambda: ["mean", "cls", "ddcl"], sep=",", metavar="ARM,...",
+                             help=f"comma list from {', '.join(ARMS)}")
+    steps: int = option(1000, "training steps per arm")
+    batch_size: int = option(128, "images per training batch")
+    lr: float = option(1e-3, "Adam lr of every arm")
+    seed: int = option(0, "seed of the initialisation and the data order")
+    train_size: int = option(60000, "training images")
+    test_size: int = option(10000, "test images (10000 = all)")
+    eval_every: int = option(200, "steps between test-accuracy points")
+    log_every: int = option(25, "steps per logged training record")
+    patch: int = option(4, "patch size (4: 49 tokens)")
+    dim: int = option(64, "token width")
+    layers: int = option(2, "transformer layers")
+    heads: int = option(4, "attention heads")
+    num_prototypes: int = option(64, "K of the DDCL readout")
+    temperature: float = option(DEFAULT_TEMPERATURE, "τ relative to D")
+    prototype_init: str = option("kmeans", "DDCL prototypes: k-means on the first batch's tokens, or N(0, 1)")
+    loss_weight: float = option(1.0, "λ in CE + λ·distortion/D")
+    prototype_lr_ratio: float = option(DEFAULT_PROTOTYPE_LR_RATIO, "prototype lr / encoder lr (timescale condition: > 1)")
+    windows: List[int] = option(default_factory=lambda: [2, 2, 2, 2, 2, 2], sep=",",
+                                metavar="W,...", help="compressor window per stage")
+    compressor_prototypes: int = option(64, "K per compressor stage")
+    compressor_steps: int = option(300, "compressor training steps")
+    compressor_lr: float = option(1e-2, "compressor Adam lr")
+    compressor_train: int = option(8192, "training images whose tokens train the compressor")
+    compressor_test: int = option(2000, "test images whose tokens measure it")
+    no_compressor: bool = option(False, "skip the compressor part")
+    threads: int = option(1, "torch CPU threads (on cores shared with other jobs, 2 threads ran a step 15x slower "
+                             "than 1; on an idle machine 2 are about 1.7x faster)")
+    no_progress: bool = option(False, "no tqdm progress bars")
 
 
+QUICK = dict(steps=80, batch_size=64, lr=2e-3, eval_every=40, train_size=4096, test_size=1000,
+             compressor_steps=10, compressor_train=256, compressor_test=128)
+OPTIONS = Options(
+    ReadoutOptions, prog="ddcl-vq readout-study", description=HELP, presets={"quick": QUICK},
+    rules=Rules(choices={"arms": tuple(ARMS), "patch": (2, 4, 7, 14), "prototype_init": ("kmeans", "normal")},
+                positive={"threads", "steps", "batch_size", "train_size", "test_size", "eval_every", "log_every",
+                          "compressor_steps", "compressor_train", "compressor_test", "windows", "dim", "layers",
+                          "heads", "num_prototypes", "temperature", "compressor_prototypes", "compressor_lr", "lr"},
+                non_negative={"loss_weight", "prototype_lr_ratio"}))
+
+
+def parse_args(argv: Optional[List[str]]) -> ReadoutOptions:
+    opts = OPTIONS.parse(argv)
+    for name in ("arms", "windows"):
+        if not getattr(opts, name):
+            raise ConfigError(f"option --{name}: expected a non-empty comma list, got none")
+    return opts
+
+
+@entry_point("ddcl-vq readout-study")
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -132,7 +127,7 @@ def _run(args, argv: List[str], out: Path, show: bool) -> int:
     t_start = time.perf_counter()
     train_data = load_patches("train", args.train_size, args.patch, args.seed)
     test_data = load_patches("test", args.test_size, args.patch, args.seed + 1)
-    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "no_progress")}
+    cfg = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("out", "no_progress")}
     results = {"config": cfg, "num_tokens": int(train_data[0].shape[1]), "arms": {}}
     models = {}
     for name in args.arms:

@@ -13,15 +13,20 @@ A study YAML:
         overrides: {quantizer.type: ddcl, quantizer.mode: straight_through}   # or ["key=value", ...]
     quick: ["train.steps=4", ...]       # optional: what --quick changes (default QUICK_OVERRIDES)
 
+The file is read into :class:`StudyFile` by the same typed-settings code as the training config
+(:mod:`ddcl_vq.train.schema`): an unknown key names the nearest valid one, a wrong type or value
+says what was expected. ``null`` means "not set".
+
 Each arm's config = base <- sweep values <- arm overrides <- --quick <- command-line overrides,
 with run.name = the arm's name and run.dir = OUT/runs/<arm>. Every arm is validated before
-anything trains (train.config's ConfigError, prefixed with the arm's name). Finished arms
+anything trains (a ConfigError prefixed with the arm's name). Finished arms
 (checkpoint at train.steps) are skipped, interrupted ones resume from their checkpoints, so
 an interrupted study continues when the same command runs again. A run directory holding a
 different config is an error, never silently mixed into the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -30,26 +35,55 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from ddcl_vq.train.config import Config, apply_overrides
+from ddcl_vq.train.schema import ConfigError, Rules, build
+
 QUICK_OVERRIDES = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
     "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",
     "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0",
 ]
-
 QUICK_EVAL = {"max_images": 64, "grid_images": 4}
-
-STUDY_KEYS = {"name", "description", "out", "base", "eval", "sweep", "arms", "quick"}
-
-EVAL_KEYS = {"split": str, "max_images": int, "batch_size": int, "grid_images": int}
-
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+@dataclass
+class StudyEval:
+    split: str = "test"                      # train | test
+    max_images: int = 0                      # first N images of the split (0 = all)
+    batch_size: int = 256
+    grid_images: int = 8                     # test images in reconstructions.png
+
+
+@dataclass
+class ArmSpec:
+    name: Optional[str] = None               # required
+    overrides: Any = None                    # ["dotted.key=value", ...] or {dotted.key: value}
+
+
+@dataclass
+class StudyFile:
+    """A study YAML, as written (every arm's full config is built from it by :func:`load_study`)."""
+
+    name: Optional[str] = None               # default: the file's stem
+    description: str = ""
+    out: Optional[str] = None                # default --out
+    base: Dict[str, Any] = field(default_factory=dict)          # a training config, checked per arm
+    eval: StudyEval = field(default_factory=StudyEval)
+    sweep: Dict[str, List[Any]] = field(default_factory=dict)   # dotted key -> values
+    arms: List[ArmSpec] = field(default_factory=list)
+    quick: Any = None                        # what --quick overrides (default QUICK_OVERRIDES)
+
+
+STUDY_RULES = Rules(choices={"eval.split": ("train", "test")}, positive={"eval.batch_size"},
+                    non_negative={"eval.max_images", "eval.grid_images"})
 
 
 @dataclass
 class Arm:
     name: str
     overrides: List[str]
-    config: Any  # train.config.Config
+    config: Config
 
 
 @dataclass
@@ -58,7 +92,7 @@ class Study:
     path: Path
     description: str
     out: Path
-    eval: Dict[str, Any]
+    eval: StudyEval
     arms: List[Arm]
     base: Dict[str, Any] = field(default_factory=dict)
     quick: bool = False
@@ -66,7 +100,6 @@ class Study:
 
 def _as_overrides(spec: Any, where: str) -> List[str]:
     """A list of "key=value" strings or a mapping {dotted.key: value} -> list of strings."""
-    from ddcl_vq.train.config import ConfigError
     if spec is None:
         return []
     if isinstance(spec, dict):
@@ -89,12 +122,8 @@ def _sweep_suffix(key: str, value: Any) -> str:
     return f"{short}{value}"
 
 
-def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
-               overrides: Sequence[str] = ()) -> Study:
-    """Read and validate a study YAML; every arm's config is built (and checked) here."""
-    from ddcl_vq.train.config import ConfigError, Config, apply_overrides
-
-    path = Path(path)
+def read_study_file(path: Path) -> StudyFile:
+    """The study YAML at ``path``, type-checked (``null`` values mean "not set")."""
     if not path.is_file():
         raise ConfigError(f"study file {str(path)!r} does not exist")
     try:
@@ -103,49 +132,44 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
         raise ConfigError(f"study file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"study file {str(path)!r}: expected a mapping at the top, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - STUDY_KEYS)
-    if unknown:
-        import difflib
-        near = difflib.get_close_matches(unknown[0], sorted(STUDY_KEYS), n=1, cutoff=0.0)
-        raise ConfigError(f"study {path.name}: unknown key {unknown[0]!r}; did you mean {near[0]!r}?")
-    name = str(raw.get("name") or path.stem)
-    base = raw.get("base") or {}
-    if not isinstance(base, dict):
-        raise ConfigError(f"study {path.name}: 'base' must be a mapping (a train config), got {base!r}")
-    ev = dict(raw.get("eval") or {})
-    for key, value in ev.items():
-        if key not in EVAL_KEYS:
-            raise ConfigError(f"study {path.name}: unknown key 'eval.{key}'; expected one of {sorted(EVAL_KEYS)}")
-        if not isinstance(value, EVAL_KEYS[key]) or isinstance(value, bool):
-            raise ConfigError(f"study {path.name}: 'eval.{key}' expected {EVAL_KEYS[key].__name__}, got {value!r}")
-    ev = {"split": "test", "max_images": 0, "batch_size": 256, "grid_images": 8, **ev}
-    if ev["split"] not in ("train", "test"):
-        raise ConfigError(f"study {path.name}: 'eval.split' expected 'train' or 'test', got {ev['split']!r}")
-    if quick:
-        ev.update(QUICK_EVAL)
-    sweep = raw.get("sweep") or {}
-    if not isinstance(sweep, dict) or not all(isinstance(v, list) and v for v in sweep.values()):
-        raise ConfigError(f"study {path.name}: 'sweep' must map dotted keys to non-empty lists, got {sweep!r}")
-    arms_raw = raw.get("arms")
-    if not isinstance(arms_raw, list) or not arms_raw:
-        raise ConfigError(f"study {path.name}: expected 'arms' to be a non-empty list, got {arms_raw!r}")
-    quick_overrides = _as_overrides(raw.get("quick", QUICK_OVERRIDES), f"study {path.name}: 'quick'") if quick else []
-    out_dir = Path(out) if out else Path(raw.get("out") or f"reports/{name}")
+    try:
+        spec = build(StudyFile, {k: v for k, v in raw.items() if v is not None}, STUDY_RULES,
+                     name=lambda key: f"key {key!r}")
+    except ConfigError as err:
+        raise ConfigError(f"study {path.name}: {err}") from None
+    if not all(spec.sweep.values()):
+        raise ConfigError(f"study {path.name}: 'sweep' must map dotted keys to non-empty lists, got {raw['sweep']!r}")
+    if not spec.arms:
+        raise ConfigError(f"study {path.name}: expected 'arms' to be a non-empty list, got {raw.get('arms')!r}")
+    for i, arm in enumerate(spec.arms):
+        if arm.name is None:
+            raise ConfigError(f"study {path.name}: arm #{i + 1}: expected {{name: ..., overrides: ...}}, "
+                              f"got {raw['arms'][i]!r}")
+    return spec
+
+
+def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
+               overrides: Sequence[str] = ()) -> Study:
+    """Read and validate a study YAML; every arm's config is built (and checked) here."""
+    path = Path(path)
+    spec = read_study_file(path)
+    name = spec.name or path.stem
+    ev = dataclasses.replace(spec.eval, **QUICK_EVAL) if quick else spec.eval
+    quick_overrides = (_as_overrides(QUICK_OVERRIDES if spec.quick is None else spec.quick,
+                                     f"study {path.name}: 'quick'") if quick else [])
+    out_dir = Path(out) if out else Path(spec.out or f"reports/{name}")
     if quick and not out:
         out_dir = out_dir.with_name(out_dir.name + "_quick")
 
+    sweep = spec.sweep
     combos = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())] if sweep else [{}]
     arms: List[Arm] = []
     seen = set()
-    specs = []
-    for i, spec in enumerate(arms_raw):
-        if not isinstance(spec, dict) or "name" not in spec or set(spec) - {"name", "overrides"}:
-            raise ConfigError(f"study {path.name}: arm #{i + 1}: expected {{name: ..., overrides: ...}}, got {spec!r}")
-        specs.append((spec, _as_overrides(spec.get("overrides"), f"study {path.name}: arm {spec['name']!r}")))
+    specs = [(arm, _as_overrides(arm.overrides, f"study {path.name}: arm {arm.name!r}")) for arm in spec.arms]
     # sweep values vary slowest: every arm at the first value trains first (list the headline value first)
     for combo in combos:
-        for spec, arm_overrides in specs:
-            arm_name = "_".join([str(spec["name"])] + [_sweep_suffix(k, v) for k, v in combo.items()])
+        for arm, arm_overrides in specs:
+            arm_name = "_".join([arm.name] + [_sweep_suffix(k, v) for k, v in combo.items()])
             if not NAME_RE.match(arm_name):
                 raise ConfigError(f"study {path.name}: arm name {arm_name!r}: expected letters, digits, '_', '-', '.'")
             if arm_name in seen:
@@ -154,9 +178,9 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
             all_overrides = (_as_overrides(combo, "sweep") + arm_overrides + quick_overrides + list(overrides)
                              + [f"run.name={arm_name}", f"run.dir={out_dir / 'runs' / arm_name}"])
             try:
-                cfg = Config.from_dict(apply_overrides(base, all_overrides))
+                cfg = Config.from_dict(apply_overrides(spec.base, all_overrides))
             except ConfigError as err:
                 raise ConfigError(f"study {path.name}: arm {arm_name!r}: {err}") from None
             arms.append(Arm(arm_name, all_overrides[:-2], cfg))
-    return Study(name=name, path=path, description=str(raw.get("description") or "").strip(), out=out_dir,
-                 eval=ev, arms=arms, base=base, quick=quick)
+    return Study(name=name, path=path, description=spec.description.strip(), out=out_dir, eval=ev, arms=arms,
+                 base=spec.base, quick=quick)

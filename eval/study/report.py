@@ -60,8 +60,8 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict) -> str:
               f"- Machine at start: {info['machine_start']}",
               f"- Machine at end: {info['machine_end']}",
               f"- Shared budget (every arm): {budget}",
-              f"- Evaluation: {ev['split']} split, "
-              f"{'all' if not ev['max_images'] else 'first ' + str(ev['max_images'])} images, hard codes "
+              f"- Evaluation: {ev.split} split, "
+              f"{'all' if not ev.max_images else 'first ' + str(ev.max_images)} images, hard codes "
               "(soft codes too for DDCL)",
               f"- Arms: {len(study.arms)} declared, {len(rows)} in the table"
               + (f", {len(info['failed'])} failed" if info["failed"] else "")

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ddcl_vq.eval.machine import describe_machine
+from ddcl_vq.train.errors import UserError
 
 from .config import Arm, Study
 from .report import render_report
 
 
-class StudyError(RuntimeError):
+class StudyError(UserError, RuntimeError):
     """A study cannot run as asked (a run directory with another config, no arm finished, ...)."""
 
 
@@ -117,8 +118,8 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
 
     def finish(arm: Arm, trained: bool) -> None:
         try:
-            ev = ensure_eval(Path(arm.config.run.dir), study.eval["split"], study.eval["max_images"],
-                             study.eval["batch_size"])
+            ev = ensure_eval(Path(arm.config.run.dir), study.eval.split, study.eval.max_images,
+                             study.eval.batch_size)
         except KeyboardInterrupt:
             raise
         except Exception as err:  # noqa: BLE001 - one arm's failure must not lose the others
@@ -166,9 +167,9 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
     finished = [a for a in study.arms if a.name in done]
     if not finished:
         raise StudyError(f"study {study.name}: no arm finished ({len(failed)} failed, {len(unfinished)} unfinished)")
-    rows = compare([Path(a.config.run.dir) for a in finished], study.out, study.eval["split"],
-                   study.eval["max_images"], study.eval["batch_size"], names=[a.name for a in finished],
-                   grid_images=study.eval["grid_images"], command=command)
+    rows = compare([Path(a.config.run.dir) for a in finished], study.out, study.eval.split,
+                   study.eval.max_images, study.eval.batch_size, names=[a.name for a in finished],
+                   grid_images=study.eval.grid_images, command=command)
     info = {"command": command, "date_start": date_start,
             "date_end": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "wall_seconds": round(time.time() - started, 1), "machine_start": machine_start,

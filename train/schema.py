@@ -1,0 +1,322 @@
+"""Typed settings: one way to declare and validate the settings of every command.
+
+Settings are dataclass fields (name, type, default). Values come from YAML mappings and dotted
+overrides (the training config, :mod:`ddcl_vq.train.config`; the study file,
+:mod:`ddcl_vq.eval.study.config`) or from command-line options (each command's options
+dataclass, read by :class:`Options`); either way they are checked by the same code:
+
+- an unknown key is an error naming the key and the nearest valid one;
+- a value of the wrong type is an error naming the key, what was expected and what came;
+- :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every value is in.
+
+Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.train.errors.UserError`, which the
+commands print as one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from .errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A setting's key or value is invalid; the message names the setting."""
+
+
+def config_key(key: str) -> str:
+    """How errors name a key of a config file: ``config key 'train.lr'``."""
+    return f"config key {key!r}"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Constraints beyond the type, keyed by dotted setting name (list values: every element)."""
+
+    choices: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    positive: AbstractSet[str] = frozenset()       # > 0
+    non_negative: AbstractSet[str] = frozenset()   # >= 0
+
+
+# ----------------------------------------------------------------------------- keys
+
+def keys_of(obj: Any, prefix: str = "") -> List[str]:
+    """The dotted names of every leaf setting of a dataclass instance (nested dataclasses walked)."""
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += keys_of(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """(dotted name, value) for every leaf setting of a dataclass instance."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value
+
+
+def nearest(key: str, candidates: Sequence[str]) -> str:
+    """The valid key closest to ``key``: one with the same last part if that part is close, else
+    the closest whole key (so a key in the wrong section points to the right one)."""
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+    leaf = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in candidates], n=1, cutoff=0.6)
+    if leaf:
+        match = [k for k in candidates if k == leaf[0] or k.endswith("." + leaf[0])][:1] or match
+    return match[0] if match else "?"
+
+
+# ----------------------------------------------------------------------------- values
+
+def _optional(annotation: Any) -> Tuple[Any, bool]:
+    """(the type inside Optional[...], whether None is allowed)."""
+    if typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]), True
+    return annotation, False
+
+
+def type_name(annotation: Any) -> str:
+    annotation, _ = _optional(annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, List):
+        return f"a list of {type_name(args[0])}" if args and args[0] is not Any else "a list"
+    if origin in (dict, Dict) or annotation is dict or dataclasses.is_dataclass(annotation):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = config_key) -> Any:
+    """``value`` checked against ``annotation`` (bool, int, float, str, Any, Optional, List[...],
+    Dict[str, ...], a dataclass); ints are accepted for floats. Returns the typed value."""
+    annotation, nullable = _optional(annotation)
+    if value is None and nullable:
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (list, List) or annotation is list:
+        if isinstance(value, list):
+            inner = args[0] if args else Any
+            return [coerce(f"{key}[{i}]", v, inner, name) for i, v in enumerate(value)]
+    elif origin in (dict, Dict) or annotation is dict:
+        if isinstance(value, dict):
+            inner = args[1] if len(args) == 2 else Any
+            return {k: coerce(f"{key}.{k}", v, inner, name) for k, v in value.items()}
+    elif dataclasses.is_dataclass(annotation):
+        if isinstance(value, dict):
+            obj = annotation()
+            apply(obj, value, prefix=key + ".", name=name, candidates=[f"{key}.{k}" for k in keys_of(obj)])
+            return obj
+    else:  # pragma: no cover - schemas use only the types above
+        return value
+    raise ConfigError(f"{name(key)}: expected {type_name(annotation)}, got {value!r} ({type(value).__name__})")
+
+
+def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = config_key,
+          candidates: Optional[Sequence[str]] = None,
+          unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
+    """Set the fields of dataclass ``obj`` from the mapping ``raw`` (nested mappings into nested
+    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s);
+    ``unknown``: the error for an unknown key, when it needs more than naming the nearest valid one."""
+    if not isinstance(raw, dict):
+        where = name(prefix.rstrip(".")) if prefix else "the settings"
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    candidates = [prefix + k for k in keys_of(obj)] if candidates is None else candidates
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for field_name, value in raw.items():
+        key = prefix + str(field_name)
+        if field_name not in names:
+            if unknown is not None:
+                raise unknown(key)
+            raise ConfigError(f"unknown {name(key)}; did you mean {nearest(key, candidates)!r}?")
+        current = getattr(obj, field_name)
+        if dataclasses.is_dataclass(current):
+            apply(current, value, prefix=key + ".", name=name, candidates=candidates, unknown=unknown)
+        else:
+            setattr(obj, field_name, coerce(key, value, hints[field_name], name))
+
+
+def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> None:
+    """Check every leaf of ``obj`` against ``rules`` (None passes: it means "not set")."""
+    for key, value in leaves(obj):
+        items = value if isinstance(value, list) else [value]
+        items = [v for v in items if v is not None]
+        if key in rules.choices:
+            bad = [v for v in items if v not in rules.choices[key]]
+            if bad:
+                got = value if not isinstance(value, list) else bad
+                raise ConfigError(f"{name(key)}: expected one of {list(rules.choices[key])}, got {got!r}")
+        if key in rules.positive and not all(v > 0 for v in items):
+            raise ConfigError(f"{name(key)}: expected a value > 0, got {value!r}")
+        if key in rules.non_negative and not all(v >= 0 for v in items):
+            raise ConfigError(f"{name(key)}: expected a value >= 0, got {value!r}")
+
+
+def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Callable[[str], str] = config_key):
+    """``cls()`` with ``raw`` applied and ``rules`` checked."""
+    obj = cls()
+    apply(obj, dict(raw), name=name)
+    check(obj, rules, name)
+    return obj
+
+
+# ----------------------------------------------------------------------------- command-line options
+
+def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, flag: Optional[str] = None,
+           metavar: Optional[str] = None, nargs: Any = None, sep: Optional[str] = None, positional: bool = False,
+           hidden: bool = False, default_text: Optional[str] = None) -> Any:
+    """A field of a command's options dataclass.
+
+    ``flag``: the option string (default ``--`` + the name with ``-`` for ``_``); ``positional``:
+    an argument without a flag; ``nargs``: as argparse; ``sep``: a list given as one value split
+    at ``sep`` (``--arms mean,ddcl``); ``default_text``: how --help states the default when the
+    value alone would not say it; ``hidden``: left out of --help. A bool field is a switch.
+    A field without a default is a required option.
+    """
+    meta = dict(help=help, flag=flag, metavar=metavar, nargs=nargs, sep=sep, positional=positional, hidden=hidden,
+                default_text=default_text)
+    return field(default=default, default_factory=default_factory, metadata={"option": meta})
+
+
+def _fmt(value: Any, sep: Optional[str] = None) -> str:
+    if isinstance(value, (list, tuple)):
+        return (sep or " ").join(str(v) for v in value)
+    return str(value)
+
+
+class Options:
+    """A command's options: ``cls`` is a dataclass whose fields are declared with :func:`option`.
+
+    ``presets``: ``{switch: {field: value}}`` — values a switch (e.g. ``quick``) sets unless the
+    same option is given explicitly. ``parse(argv)`` returns a validated ``cls`` instance.
+    """
+
+    def __init__(self, cls: type, *, prog: str, description: str = "", epilog: Optional[str] = None,
+                 rules: Rules = Rules(), presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                 intermixed: bool = False):
+        self.cls, self.prog, self.description, self.epilog = cls, prog, description, epilog
+        self.rules, self.presets, self.intermixed = rules, dict(presets or {}), intermixed
+        self.hints = typing.get_type_hints(cls)
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def meta(self, name: str) -> Dict[str, Any]:
+        return self.fields[name.split("[")[0]].metadata.get("option", {})
+
+    def flag(self, name: str) -> str:
+        meta, name = self.meta(name), name.split("[")[0]
+        if meta.get("positional"):
+            return meta.get("metavar") or name
+        return meta.get("flag") or "--" + name.replace("_", "-")
+
+    def label(self, name: str) -> str:
+        """How errors name an option: ``option --max-seconds`` / ``argument RUN_DIR``."""
+        return f"{'argument' if self.meta(name).get('positional') else 'option'} {self.flag(name)}"
+
+    def _default(self, f: dataclasses.Field) -> Any:
+        if f.default is not MISSING:
+            return f.default
+        if f.default_factory is not MISSING:
+            return f.default_factory()
+        return MISSING
+
+    def _help(self, name: str) -> str:
+        meta, f = self.meta(name), self.fields[name]
+        if meta.get("hidden"):
+            return argparse.SUPPRESS
+        text = meta.get("help", "")
+        parts = []
+        default = self._default(f)
+        if meta.get("default_text"):
+            parts.append(f"default: {meta['default_text']}")
+        elif not (default is MISSING or default is None or default is False or meta.get("positional")):
+            parts.append(f"default: {_fmt(default, meta.get('sep') or ',')}")
+        parts += [f"--{switch}: {_fmt(preset[name], meta.get('sep') or ',')}" for switch, preset in self.presets.items()
+                  if name in preset]
+        if parts:
+            text = f"{text} ({'; '.join(parts)})" if text else "; ".join(parts)
+        return text.replace("%", "%%")
+
+    def parser(self) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=self.prog, description=self.description, epilog=self.epilog,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        for name, f in self.fields.items():
+            meta = self.meta(name)
+            annotation, _ = _optional(self.hints[name])
+            kwargs: Dict[str, Any] = {"help": self._help(name)}
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+            elif name in self.rules.choices:
+                kwargs["metavar"] = "{" + ",".join(map(str, self.rules.choices[name])) + "}"
+            if meta.get("nargs") is not None:
+                kwargs["nargs"] = meta["nargs"]
+            if meta.get("positional"):
+                default = self._default(f)
+                if default is not MISSING:
+                    kwargs["default"] = default
+                p.add_argument(name, **kwargs)
+                continue
+            if annotation is bool:
+                kwargs.pop("metavar", None)
+                p.add_argument(self.flag(name), dest=name, action="store_true", default=argparse.SUPPRESS, **kwargs)
+            else:
+                required = self._default(f) is MISSING
+                p.add_argument(self.flag(name), dest=name, required=required, default=argparse.SUPPRESS, **kwargs)
+        return p
+
+    def _from_text(self, name: str, raw: Any) -> Any:
+        annotation, _ = _optional(self.hints[name])
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin in (list, List):
+            sep = self.meta(name).get("sep")
+            items = [s.strip() for s in raw.split(sep) if s.strip()] if sep and isinstance(raw, str) else list(raw)
+            return [self._scalar(name, s, args[0] if args else str) for s in items]
+        return self._scalar(name, raw, annotation)
+
+    def _scalar(self, name: str, raw: Any, annotation: Any) -> Any:
+        if annotation in (bool, str, Any) or not isinstance(raw, str):
+            return raw
+        try:
+            return annotation(raw)
+        except ValueError:
+            raise ConfigError(f"{self.label(name)}: expected {type_name(annotation)}, got {raw!r}") from None
+
+    def parse(self, argv: Optional[Sequence[str]]) -> Any:
+        parser = self.parser()
+        ns = parser.parse_intermixed_args(argv) if self.intermixed else parser.parse_args(argv)
+        given = vars(ns)
+        values: Dict[str, Any] = {}
+        for switch, preset in self.presets.items():
+            if given.get(switch):
+                values.update(preset)
+        values.update({name: self._from_text(name, raw) for name, raw in given.items()})
+        return self.make(**values)
+
+    def make(self, **values: Any) -> Any:
+        """A validated ``cls`` instance from typed values (what ``parse`` does after reading argv)."""
+        obj = self.cls(**{k: coerce(k, v, self.hints[k], self.label) for k, v in values.items()})
+        check(obj, self.rules, self.label)
+        return obj
