@@ -58,7 +58,7 @@ from torch.autograd.function import once_differentiable
 from .base import squared_distances
 from .cpu_pool import run_blocks
 
-__all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "DDCLFunction", "chunk_rows", "first_argmax",
+__all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "SoftStatistics", "soft_statistics", "DDCLFunction", "chunk_rows", "first_argmax",
            "first_argmin"]
 
 #: how an assignment can be computed (the quantizer adds ``"auto"``: its own choice per batch)
@@ -457,3 +457,69 @@ class DDCLFunction(torch.autograd.Function):
                                        g_soft, g_dist, need_z, need_w)
         return grad_z, grad_w, None, None, None, None
 
+
+
+@dataclass
+class SoftStatistics:
+    """What one batch tells DDCL's M-step (no autograd): the sufficient statistics of the soft
+    clustering at fixed assignments, plus the hard assignment.
+
+    indices:  (N,) long, hard argmin k*_i.
+    nearest:  (N,) squared distance to the nearest code, d_{i k*_i}.
+    mass:     (K,) soft mass Σ_i q_ik (the soft counts).
+    sums:     (K, D) Σ_i q_ik z_i; ``sums / mass`` is the codebook that minimises L_q at these q.
+    distortion, ols, variance: scalars (sum over D, mean over N), distortion = ols + variance.
+    """
+
+    indices: Tensor
+    nearest: Tensor
+    mass: Tensor
+    sums: Tensor
+    distortion: Tensor
+    ols: Tensor
+    variance: Tensor
+
+
+#: rows per block of :func:`soft_statistics`: about this many elements per (rows × K) block.
+STATISTICS_BLOCK_ELEMENTS = 1 << 22
+
+
+@torch.no_grad()
+def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[int] = None) -> SoftStatistics:
+    """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
+
+    Computed in blocks of ``rows`` vectors (default ≈ 2**22 / K, 64 to 4096), so extra memory is
+    O(rows·K) whatever N is; nothing is kept for autograd. Same centring, distance expansion and
+    stable softmax as :func:`assign`; q is shifted by each row's minimum distance before the
+    softmax (the same q, exactly: the shift cancels).
+    """
+    if not scale > 0:
+        raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
+    n, k = z.shape[0], codebook.shape[0]
+    if rows is None:
+        rows = max(64, min(4096, STATISTICS_BLOCK_ELEMENTS // max(k, 1)))
+    center = codebook.mean(0)
+    w = codebook - center
+    w_sq = w.pow(2).sum(1)
+    indices = torch.empty(n, dtype=torch.long, device=z.device)
+    nearest = torch.empty(n, dtype=z.dtype, device=z.device)
+    mass = torch.zeros(k, dtype=z.dtype, device=z.device)
+    sums = torch.zeros_like(w)
+    totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
+    for start in range(0, n, rows):
+        x = z[start:start + rows] - center
+        d = squared_distances(x, w)
+        dmin, idx = d.min(1)
+        indices[start:start + rows] = idx
+        nearest[start:start + rows] = dmin
+        q = torch.softmax((dmin[:, None] - d) / scale, 1)
+        mass += q.sum(0)
+        sums += q.t() @ x
+        soft = q @ w
+        totals[0] += (q * d).sum()
+        totals[1] += (x - soft).pow(2).sum()
+        totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
+    totals /= max(n, 1)
+    sums += mass[:, None] * center  # Σ_i q_ik (x_i + c) = Σ_i q_ik z_i
+    return SoftStatistics(indices=indices, nearest=nearest, mass=mass, sums=sums,
+                          distortion=totals[0], ols=totals[1], variance=totals[2])

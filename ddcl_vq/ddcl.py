@@ -1,18 +1,28 @@
 """The DDCL soft codebook (Deep Dual Competitive Learning) as a VQ-VAE quantizer.
 
-Math (z_i ∈ R^D, codebook W ∈ R^{K×D}, τ the temperature relative to D):
+Math (z_i ∈ R^D, codebook W ∈ R^{K×D}, τ the temperature, s the softmax divisor):
 
     d_ik  = ‖z_i − w_k‖²
-    q_ik  = softmax_k(−d_ik / (τ·D))
+    q_ik  = softmax_k(−d_ik / s),   s = τ·d̄ (default: d̄ the running mean of min_k d_ik) or τ·D
     ẑ_i   = Σ_k q_ik w_k                     soft code (convex combination of codes)
     k*_i  = argmin_k d_ik                     hard index
     L_q   = mean_i Σ_k q_ik d_ik              distortion
           = L_OLS + V,  L_OLS = mean_i ‖z_i − ẑ_i‖²,  V = mean_i Σ_k q_ik ‖w_k − ẑ_i‖² ≥ 0
 
-Why τ is relative to D: squared distances grow linearly with D, so a fixed τ would
-mean a sharper softmax for wider latents. Dividing by τ·D makes τ a per-dimension
-temperature: τ = 0.01 means "a distance gap of 0.01 per latent dimension is worth
-one nat of assignment log-odds", whatever D is.
+The codebook (default ``codebook_update="mstep"``) is DDCL's own M-step: the codebook that
+minimises L_q at fixed assignments is the soft-weighted mean Σ_i q_ik z_i / Σ_i q_ik, and the
+quantizer keeps an exponential moving average (``decay``) of those two sums over batches — the
+soft analogue of an EMA codebook. Every code has positive mass, so every code moves toward the
+data every step; that, with a codebook started by k-means on the first batch, is what keeps the
+whole codebook in use. ``codebook_update="gradient"`` trains the codebook by the gradient of
+L_q instead (an optimizer at ρ × the encoder's learning rate; the project's first default).
+
+Why the temperature is relative (``temperature_reference``): squared distances grow with D and
+with the encoder's feature scale, which drifts during training. ``"data"`` (default) divides by
+τ times the running mean squared distance to the nearest code, so τ = 0.1 means "a code one
+tenth of a typical quantization error farther than the nearest is e times less likely", at
+any D and any feature scale; ``"dim"`` divides by τ·D (a per-dimension temperature, the
+project's first default, τ = 0.01).
 
 Loss scale: every quantizer in ddcl_vq returns ``loss`` as a per-element mean (the
 sum-over-D terms divided by D), the scale of the classic VQ-VAE loss written with
@@ -33,12 +43,16 @@ import torch
 from torch import Tensor, nn
 
 from .assignment import IMPLEMENTATIONS as _PATHS
-from .assignment import Assignment, assign
+from .assignment import Assignment, SoftStatistics, assign, soft_statistics
 from .base import (QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten,
-                   unflatten)
+                   squared_distances, unflatten)
+from .distributed import all_reduce_sum_, broadcast_, world_size
 from .kmeans import kmeans_init_
 
 MODES = ("soft", "straight_through", "soft_straight_through")
+CODEBOOK_UPDATES = ("mstep", "gradient")
+TEMPERATURE_REFERENCES = ("data", "dim")
+ENCODER_GRADIENTS = ("identity", "rotation")
 INITS = ("uniform", "normal", "kmeans")
 IMPLEMENTATIONS = ("auto",) + _PATHS
 SCHEDULES = ("constant", "cosine", "exponential")
@@ -61,13 +75,46 @@ def _check_temperature(value: Any, name: str = "temperature") -> float:
     return float(value)
 
 
+def rotate_to(z: Tensor, code: Tensor) -> Tensor:
+    """The rotation trick (Fifty et al. 2024): the value of ``code``, and a gradient to ``z``
+    through the rotation and rescaling that map z onto its code (instead of the identity).
+
+    z, code: (N, D). out = sg(λ R) z with R the rotation taking z/‖z‖ to code/‖code‖ in their
+    plane and λ = ‖code‖/‖z‖; as a function of z (R, λ held fixed) its Jacobian is λR.
+    """
+    z_norm = z.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    code_norm = code.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    u = (z / z_norm).detach()
+    c = (code / code_norm).detach()
+    r = u + c
+    r = (r / r.norm(dim=1, keepdim=True).clamp_min(1e-12)).detach()
+    rotated = z - 2 * (z * r).sum(1, keepdim=True) * r + 2 * (z * u).sum(1, keepdim=True) * c
+    return rotated * (code_norm / z_norm).detach()
+
+
 class DDCLQuantizer(Quantizer):
     """Differentiable soft codebook (DDCL) with three output modes and its own temperature schedule.
 
     Args:
         num_codes: K, codebook size.
         dim: D, the channel size of the encoder features.
-        temperature: τ relative to D (softmax over −d/(τ·D)); the schedule's start value.
+        temperature: τ, the schedule's start value; the softmax divisor is τ times the
+            ``temperature_reference`` scale.
+        temperature_reference: ``"data"`` (default): the running mean squared distance of a
+            vector to its nearest code (a buffer, ``distance_scale``, EMA over training batches);
+            ``"dim"``: D (τ is then a per-dimension temperature; the first default was 0.01).
+        codebook_update: ``"mstep"`` (default): the codebook is DDCL's M-step, an EMA (``decay``)
+            of Σ_i q_ik z_i over an EMA of Σ_i q_ik, computed on sg(z) in training forwards; the
+            codebook is a parameter with ``requires_grad=False``. ``"gradient"``: the codebook is
+            trained by the gradient of L_q (give it to the optimizer, at ρ × the encoder's lr).
+        decay: EMA decay of the M-step statistics and of the soft mass used for revival.
+        revive_threshold: a code whose EMA soft mass falls below ``revive_threshold`` × N/K (its
+            uniform share of a batch of N vectors) is re-seeded on a batch vector drawn with
+            probability ∝ its squared distance to its nearest code (k-means++ seeding: where the
+            distortion is); 0 turns revival off. Counted in the ``revived`` buffer.
+        encoder_gradient: what the encoder receives through the hard code in
+            ``straight_through`` mode — ``"identity"`` (default; the classic straight-through
+            estimator) or ``"rotation"`` (:func:`rotate_to`).
         temperature_schedule: ``"constant"`` (default), or ``"cosine"`` / ``"exponential"``: anneal
             from ``temperature`` to ``temperature_final`` over ``schedule_steps`` calls of
             :meth:`step` (one per training step), then stay at ``temperature_final``.
@@ -81,8 +128,10 @@ class DDCLQuantizer(Quantizer):
             readout form; prone to collapse in a VQ-VAE, see the README).
             ``"soft_straight_through"``: decoder sees w_{k*}, gradients as if it were ẑ.
         beta: commitment weight (``straight_through`` mode only).
-        codebook_init: ``"uniform"`` U(−1/K, 1/K) as in the VQ-VAE paper, ``"normal"`` N(0, 1),
-            or ``"kmeans"`` (k-means on the first training batch, identical on every process).
+        codebook_init: ``"kmeans"`` (default: k-means on the first training batch, identical on
+            every process; when the batch has fewer vectors than codes, repeated seeds are
+            separated by a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) as in the
+            VQ-VAE paper, or ``"normal"`` N(0, 1).
         channel_dim: 1 for (B, D, *spatial) inputs, −1 for (..., D).
         implementation: how the assignment is computed (:func:`ddcl_vq.assignment.assign`; same
             values and gradients, to float rounding) — ``"reference"``: plain autograd, several
@@ -109,10 +158,13 @@ class DDCLQuantizer(Quantizer):
 
     has_soft_codes = True
 
-    def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.01,
+    def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.1,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
-                 schedule_steps: Optional[int] = None, mode: str = "straight_through", beta: float = 0.25,
-                 codebook_init: str = "uniform", channel_dim: int = 1,
+                 schedule_steps: Optional[int] = None, temperature_reference: str = "data",
+                 mode: str = "straight_through", beta: float = 0.25,
+                 codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
+                 encoder_gradient: str = "identity",
+                 codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
                  chunk_threshold_bytes: int = 64 * 2 ** 20):
         super().__init__(num_codes, dim, channel_dim)
@@ -122,6 +174,18 @@ class DDCLQuantizer(Quantizer):
             raise ValueError(f"expected codebook_init in {INITS}, got {codebook_init!r}")
         if not beta >= 0:
             raise ValueError(f"expected beta >= 0, got {beta!r}")
+        if temperature_reference not in TEMPERATURE_REFERENCES:
+            raise ValueError(f"expected temperature_reference in {TEMPERATURE_REFERENCES}, "
+                             f"got {temperature_reference!r}")
+        if codebook_update not in CODEBOOK_UPDATES:
+            raise ValueError(f"expected codebook_update in {CODEBOOK_UPDATES}, got {codebook_update!r}")
+        if encoder_gradient not in ENCODER_GRADIENTS:
+            raise ValueError(f"expected encoder_gradient in {ENCODER_GRADIENTS}, got {encoder_gradient!r}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+            raise ValueError(f"expected 0 <= decay < 1, got {decay!r}")
+        if isinstance(revive_threshold, bool) or not isinstance(revive_threshold, (int, float)) \
+                or not 0 <= revive_threshold < 1:
+            raise ValueError(f"expected 0 <= revive_threshold < 1, got {revive_threshold!r}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"expected implementation in {IMPLEMENTATIONS}, got {implementation!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
@@ -135,6 +199,11 @@ class DDCLQuantizer(Quantizer):
         self.mode = mode
         self.beta = float(beta)
         self.codebook_init = codebook_init
+        self.temperature_reference = temperature_reference
+        self.codebook_update = codebook_update
+        self.decay = float(decay)
+        self.revive_threshold = float(revive_threshold)
+        self.encoder_gradient = encoder_gradient
         self.set_schedule(temperature, temperature_final, temperature_schedule, schedule_steps)
         self._last_temperature: Optional[float] = None
         self.weight = nn.Parameter(torch.empty(num_codes, dim))
@@ -142,8 +211,14 @@ class DDCLQuantizer(Quantizer):
             nn.init.normal_(self.weight)
         else:
             nn.init.uniform_(self.weight, -1.0 / num_codes, 1.0 / num_codes)
+        self.weight.requires_grad_(codebook_update == "gradient")
         self.register_buffer("initialized", torch.tensor(codebook_init != "kmeans"))
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.long))
+        # M-step / revival state: EMA of Σ_i q_ik and Σ_i q_ik z_i, the distance scale, revivals
+        self.register_buffer("cluster_mass", torch.ones(num_codes))
+        self.register_buffer("cluster_sums", self.weight.detach().clone())
+        self.register_buffer("distance_scale", torch.zeros(()))  # 0: not measured yet
+        self.register_buffer("revived", torch.zeros((), dtype=torch.long))
 
     # ------------------------------------------------------------------ temperature schedule
     def set_schedule(self, temperature: float, temperature_final: Optional[float] = None,
@@ -180,11 +255,25 @@ class DDCLQuantizer(Quantizer):
         self.schedule_step.add_(1)
 
     def log_stats(self) -> Dict[str, float]:
-        """``temperature``: the τ of the last forward in training mode (the current τ before any)."""
-        return {"temperature": self.temperature if self._last_temperature is None else self._last_temperature}
+        """``temperature``: the τ of the last forward in training mode (the current τ before any);
+        ``softmax_scale``: the divisor it was used with; ``revived``: codes re-seeded so far;
+        ``min_code_mass``: the smallest EMA soft mass (in vectors per batch)."""
+        tau = self.temperature if self._last_temperature is None else self._last_temperature
+        return {"temperature": tau, "softmax_scale": self.softmax_scale(tau), "revived": float(self.revived),
+                "min_code_mass": float(self.cluster_mass.min())}
 
     def describe(self) -> Dict[str, Any]:
-        return {"mode": self.mode, "temperature": self.temperature}
+        return {"mode": self.mode, "temperature": self.temperature,
+                "temperature_reference": self.temperature_reference, "codebook_update": self.codebook_update}
+
+    def softmax_scale(self, temperature: Optional[float] = None) -> float:
+        """The softmax divisor s for τ = ``temperature`` (default: the current τ)."""
+        tau = self.temperature if temperature is None else temperature
+        if self.temperature_reference == "dim":
+            return tau * self.dim
+        scale = float(self.distance_scale)
+        # before the first training batch has measured the data's scale, fall back to τ·D
+        return tau * (scale if scale > 0 else self.dim)
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -207,6 +296,16 @@ class DDCLQuantizer(Quantizer):
             except (ValueError, IndexError, TypeError) as err:
                 error_msgs.append(f"{key}: expected [schedule index, start τ, final τ, steps], got "
                                   f"{state_dict[key]!r} ({err})")
+        # a state_dict from before the M-step existed (codebook trained by gradient): keep the
+        # constructor's neutral values for the M-step buffers it lacks
+        legacy = [prefix + name for name in ("cluster_mass", "cluster_sums", "distance_scale", "revived")]
+        if all(key in missing_keys for key in legacy):
+            if self.codebook_update != "gradient" or self.temperature_reference != "dim":
+                error_msgs.append(
+                    f"{prefix or 'DDCLQuantizer '}state_dict was saved before the M-step codebook existed; "
+                    "load it into DDCLQuantizer(..., codebook_update='gradient', temperature_reference='dim')")
+            for key in legacy:
+                missing_keys.remove(key)
         # a state_dict from before the schedule was saved: keep the constructor's schedule
         step_key = prefix + "schedule_step"
         if step_key in missing_keys:
@@ -229,9 +328,72 @@ class DDCLQuantizer(Quantizer):
         itemsize = torch.finfo(dtype).bits // 8
         return "chunked" if num_vectors * self.num_codes * itemsize > self.chunk_threshold_bytes else "fused"
 
-    def _assignment(self, x: Tensor, w: Tensor, codebook_only: bool, temperature: float) -> Assignment:
-        return assign(x, w, temperature * self.dim, codebook_only=codebook_only,
+    def _assignment(self, x: Tensor, w: Tensor, codebook_only: bool, scale: float) -> Assignment:
+        return assign(x, w, scale, codebook_only=codebook_only,
                       implementation=self.resolve_implementation(x.shape[0], x.dtype), chunk_size=self.chunk_size)
+
+    @torch.no_grad()
+    def _initialize(self, x: Tensor) -> None:
+        """First training batch: k-means codebook (if asked), the distance scale, the M-step sums."""
+        if not bool(self.initialized):
+            kmeans_init_(self.weight.data, x)
+            if x.shape[0] * world_size() < self.num_codes:
+                # k-means seeded with repeats: identical codes would share every update forever
+                jitter = torch.randn(self.weight.shape, generator=torch.Generator().manual_seed(0))
+                spread = self.weight.data.std(0, keepdim=True).clamp_min(1e-6)
+                self.weight.data += 0.01 * spread * jitter.to(self.weight.device, self.weight.dtype)
+            self.initialized.fill_(True)
+        nearest = squared_distances(x, self.weight.data.to(x.dtype)).min(1).values
+        totals = torch.stack([nearest.sum().to(torch.float64), torch.tensor(float(x.shape[0]), dtype=torch.float64,
+                                                                             device=x.device)])
+        all_reduce_sum_(totals)
+        self.distance_scale.fill_(float(totals[0] / totals[1].clamp_min(1)) or 1e-12)
+        self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
+        self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
+
+    @torch.no_grad()
+    def _update_statistics(self, x: Tensor, stats: SoftStatistics) -> None:
+        """One training batch: EMA of the distance scale and of the soft mass (and, for the M-step,
+        of the soft sums, and the new codebook); revival of starved codes. All-reduced: identical
+        on every process."""
+        g = self.decay
+        totals = torch.cat([stats.mass, stats.nearest.sum()[None],
+                            torch.tensor([float(x.shape[0])], device=x.device)]).to(torch.float64)
+        all_reduce_sum_(totals)
+        mass, nearest_sum, count = totals[:-2], totals[-2], totals[-1]
+        self.distance_scale.mul_(0.99).add_(0.01 * float(nearest_sum / count.clamp_min(1)))
+        self.cluster_mass.mul_(g).add_(mass.to(self.cluster_mass.dtype), alpha=1 - g)
+        if self.codebook_update == "mstep":
+            sums = stats.sums.to(self.cluster_sums.dtype)
+            all_reduce_sum_(sums)
+            self.cluster_sums.mul_(g).add_(sums, alpha=1 - g)
+            self.weight.data.copy_(self.cluster_sums / self.cluster_mass.clamp_min(1e-12)[:, None])
+        if self.revive_threshold > 0:
+            self._revive(x, stats.nearest, float(count))
+
+    @torch.no_grad()
+    def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: float) -> None:
+        """Re-seed codes whose EMA soft mass is below the threshold on batch vectors drawn with
+        probability ∝ their distance to the nearest code (where the distortion is)."""
+        threshold = self.revive_threshold * batch_vectors / self.num_codes
+        starved = self.cluster_mass < threshold  # identical on every process (all-reduced mass)
+        count = int(starved.sum())
+        if count == 0:
+            return
+        per_rank = -(-count // world_size())
+        weights = nearest.clamp_min(0) + 1e-12
+        pick = torch.multinomial(weights, per_rank, replacement=per_rank > x.shape[0])
+        seeds = x[pick].to(self.weight.dtype).contiguous()
+        if world_size() > 1:
+            parts = [torch.empty_like(seeds) for _ in range(world_size())]
+            torch.distributed.all_gather(parts, seeds)
+            seeds = torch.cat(parts, 0)
+        seeds = seeds[:count]
+        broadcast_(seeds)
+        self.weight.data[starved] = seeds
+        self.cluster_mass[starved] = threshold
+        self.cluster_sums[starved] = seeds * threshold
+        self.revived += count
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
@@ -241,39 +403,67 @@ class DDCLQuantizer(Quantizer):
             self._last_temperature = tau
         with torch.autocast(device_type=z.device.type, enabled=False):
             x = flat.to(dtype)
-            if self.training and not bool(self.initialized):
-                kmeans_init_(self.weight.data, x)
-                self.initialized.fill_(True)
-            w = self.weight.to(dtype)
-            terms = {}
-            if self.mode == "straight_through":
-                # assignment on sg(z): only the codebook learns from the distortion
-                a = self._assignment(x, w, True, tau)
-                hard = w.detach()[a.indices]
-                out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
-                commitment = (x - hard).pow(2).sum(1).mean()
-                loss = (a.distortion + self.beta * commitment) / self.dim
-                terms["commitment"] = commitment.detach()
+            learn = self.training and x.shape[0] > 0  # an empty batch teaches nothing
+            if learn and (not bool(self.initialized) or float(self.distance_scale) == 0):
+                self._initialize(x.detach())
+            scale = self.softmax_scale(tau)
+            if self.codebook_update == "mstep":
+                # the M-step's statistics on sg(z) with the codebook before this batch's update
+                # the batch decodes the codes it was assigned to (the codebook before its update)
+                w = self.weight.detach().to(dtype, copy=True)
+                stats = soft_statistics(x.detach(), w, scale)
+                if learn:
+                    self._update_statistics(x.detach(), stats)
+                indices, counts = stats.indices, stats.mass
+                distortion, ols, variance = stats.distortion, stats.ols, stats.variance
+                codebook_loss = None
             else:
-                a = self._assignment(x, w, False, tau)
+                w = self.weight.to(dtype)
+            if self.mode == "straight_through":
+                if self.codebook_update == "gradient":
+                    # assignment on sg(z): only the codebook learns from the distortion
+                    a = self._assignment(x, w, True, scale)
+                    indices, counts = a.indices, a.soft_counts
+                    distortion, ols, variance, codebook_loss = a.distortion, a.ols, a.variance, a.distortion
+                hard = w.detach()[indices]
+                if self.encoder_gradient == "rotation":
+                    out = rotate_to(x, hard)
+                else:
+                    out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
+                commitment = (x - hard).pow(2).sum(1).mean()
+                loss = self.beta * commitment / self.dim
+                if codebook_loss is not None:
+                    loss = loss + codebook_loss / self.dim
+                terms = {"commitment": commitment.detach()}
+            else:
+                a = self._assignment(x, w, False, scale)
+                if self.codebook_update == "gradient":
+                    indices, counts = a.indices, a.soft_counts
+                    distortion, ols, variance = a.distortion, a.ols, a.variance
                 if self.mode == "soft":
                     out = a.soft
                 else:
                     out = w.detach()[a.indices] + (a.soft - a.soft.detach())
                 loss = a.distortion / self.dim
-            terms.update(distortion=a.distortion.detach(), ols=a.ols.detach(), variance=a.variance.detach())
+                terms = {}
+            if learn and self.codebook_update == "gradient":
+                with torch.no_grad():
+                    nearest = (x.detach() - w.detach()[indices]).pow(2).sum(1)
+                    self._update_statistics(x.detach(), SoftStatistics(
+                        indices=indices, nearest=nearest, mass=counts.detach(), sums=w.detach(),
+                        distortion=distortion.detach(), ols=ols.detach(), variance=variance.detach()))
+            terms.update(distortion=distortion.detach(), ols=ols.detach(), variance=variance.detach())
         quantized = unflatten(out.to(z.dtype), last_shape, self.channel_dim)
-        indices = unflatten(a.indices, last_shape, self.channel_dim)
-        return QuantizerOutput(quantized=quantized, indices=indices, loss=loss, terms=terms,
-                               perplexity=batch_perplexity(a.indices, self.num_codes),
-                               soft_counts=a.soft_counts)
+        return QuantizerOutput(quantized=quantized, indices=unflatten(indices, last_shape, self.channel_dim),
+                               loss=loss, terms=terms, perplexity=batch_perplexity(indices, self.num_codes),
+                               soft_counts=counts.detach())
 
     def soft_codes(self, z: Tensor) -> Tensor:
         """The soft codes ẑ in the input layout, whatever the mode (for soft-code evaluation)."""
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
         dtype = compute_dtype(z)
         with torch.autocast(device_type=z.device.type, enabled=False):
-            soft = self._assignment(flat.to(dtype), self.weight.to(dtype), False, self.temperature).soft
+            soft = self._assignment(flat.to(dtype), self.weight.to(dtype), False, self.softmax_scale()).soft
         return unflatten(soft.to(z.dtype), last_shape, self.channel_dim)
 
     def extra_repr(self) -> str:
@@ -281,5 +471,8 @@ class DDCLQuantizer(Quantizer):
                     f"temperature={self.temperature_start:g}->{self.temperature_final:g} "
                     f"({self.temperature_schedule}, {self.schedule_steps} steps)")
         return (super().extra_repr() + f", mode={self.mode!r}, {schedule}, "
+                f"temperature_reference={self.temperature_reference!r}, codebook_update={self.codebook_update!r}, "
+                f"decay={self.decay:g}, revive_threshold={self.revive_threshold:g}, "
+                f"encoder_gradient={self.encoder_gradient!r}, "
                 f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

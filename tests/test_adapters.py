@@ -29,6 +29,11 @@ VQ_MODEL_CONFIG = dict(
     lookup_from_codebook=True, sample_size=32)  # 32x32 images -> 8x8 latents, D = 8, K = 64
 STEPS, BATCH = 30, 32
 
+# The host's copied codebook kept as it is and trained by gradient: forward-equivalent to the host
+# (the default DDCL codebook starts with k-means on the first training batch and is updated by the
+# M-step inside training forwards, so its codes move as soon as it trains).
+SAME_AS_HOST = dict(codebook_init="uniform", codebook_update="gradient", temperature_reference="dim", temperature=0.01)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -158,7 +163,7 @@ def test_vqmodel_checkpoint_round_trip(trained_vqmodel, fashion, tmp_path):
 
     # a k-means swap does not re-initialise over a loaded codebook
     kmeans = VQModel(**VQ_MODEL_CONFIG)
-    swap_quantizer(kmeans, codebook_init="kmeans")
+    swap_quantizer(kmeans, codebook_init="kmeans", codebook_update="gradient")
     assert not bool(kmeans.quantize.ddcl.initialized)
     kmeans.load_state_dict(state)
     kmeans.train()(x)
@@ -186,7 +191,7 @@ def test_taming_adapter_speaks_the_diffusers_quantizer_convention(sane_index_sha
         np.save(tmp_path / "used.npy", np.arange(0, 64, 2))           # half the codes "used"
         kwargs.update(remap=str(tmp_path / "used.npy"), unknown_index="extra")
     original = DiffusersVectorQuantizer(64, 8, beta=0.25, **kwargs)
-    adapter = TamingQuantizerAdapter.from_quantizer(original)
+    adapter = TamingQuantizerAdapter.from_quantizer(original, **SAME_AS_HOST)
     assert torch.equal(adapter.embedding.weight, original.embedding.weight)
     assert (adapter.re_embed, adapter.remap) == (original.re_embed, original.remap)
     z = torch.randn(2, 8, 4, 5, requires_grad=True)
@@ -247,7 +252,7 @@ def test_taming_v1_convention_returns_perplexity_and_one_hot():
     host = nn.Sequential()
     host.add_module("quantize", VectorQuantizer(32, 4, 0.25))
     original = host.quantize
-    [(name, old, adapter)] = swap_quantizer(host)
+    [(name, old, adapter)] = swap_quantizer(host, **SAME_AS_HOST)
     assert (name, old, host.quantize) == ("quantize", original, adapter) and adapter.taming_v1_outputs
     z = torch.randn(2, 4, 3, 5)
     expected, got = original(z), adapter(z)
@@ -410,7 +415,7 @@ def test_notebook_adapter_speaks_the_convention_and_trains(fashion):
     torch.manual_seed(0)
     model = NotebookModel()
     original = model._vq_vae
-    [(name, _, adapter)] = swap_quantizer(model)
+    [(name, _, adapter)] = swap_quantizer(model, **SAME_AS_HOST)
     assert name == "_vq_vae" and model._vq_vae is adapter and isinstance(adapter, NotebookQuantizerAdapter)
     assert adapter._embedding.weight is adapter.ddcl.weight
     assert torch.equal(adapter._embedding.weight, original._embedding.weight)

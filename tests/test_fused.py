@@ -5,7 +5,16 @@ import pytest
 import torch
 
 import ddcl_vq.assignment as assignment
-from ddcl_vq import DDCLQuantizer, assign, cpu_pool
+from ddcl_vq import assign, cpu_pool
+from ddcl_vq import DDCLQuantizer as _DDCLQuantizer
+
+
+def DDCLQuantizer(*args, **kw):
+    """The assignment math of these tests: codebook trained by gradient, τ relative to D (the
+    M-step codebook's own properties are tested in tests/test_mstep.py)."""
+    kw.setdefault("codebook_update", "gradient")
+    kw.setdefault("temperature_reference", "dim")
+    return _DDCLQuantizer(*args, **kw)
 from ddcl_vq.assignment import DDCLFunction, first_argmax, first_argmin
 
 MODES = ["soft", "straight_through", "soft_straight_through"]

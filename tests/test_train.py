@@ -185,13 +185,32 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
     assert (moved.temperature_schedule, moved.temperature_final) == ("exponential", 0.2)
 
 
-def test_rho_warning_for_ddcl(tiny_config):
+def test_rho_warning_for_ddcl_codebook_trained_by_gradient(tiny_config):
     from ddcl_vq.train.builders import build_optimizer
-    cfg = tiny_config("train.codebook_lr_ratio=1.0")
+    cfg = tiny_config("train.codebook_lr_ratio=1.0", "quantizer.codebook_update=gradient")
     with pytest.warns(UserWarning, match="timescale"):
         build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
-    opt = build_optimizer(build_model(cfg, 1), tiny_config("train.codebook_lr_ratio=4").train, "ddcl")
+    cfg = tiny_config("train.codebook_lr_ratio=4", "quantizer.codebook_update=gradient")
+    opt = build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
     assert opt.param_groups[1]["lr"] == pytest.approx(4 * opt.param_groups[0]["lr"])
+
+
+def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
+    from ddcl_vq.train.builders import build_optimizer
+    cfg = tiny_config("train.codebook_lr_ratio=1.0")             # the default: M-step codebook
+    model = build_model(cfg, 1)
+    opt = build_optimizer(model, cfg.train, "ddcl")
+    assert [g["name"] for g in opt.param_groups] == ["encoder_decoder"]
+    assert all(p is not model.quantizer.weight for g in opt.param_groups for p in g["params"])
+    assert not [w for w in recwarn if "timescale" in str(w.message)]
+
+
+def test_run_config_from_before_the_mstep_keeps_its_recipe(tmp_path):
+    old_run = tmp_path / "config.yaml"
+    old_run.write_text("quantizer: {type: ddcl, temperature: 0.01, codebook_init: uniform}\n")
+    legacy = load_config(old_run, migrate=True).quantizer
+    assert (legacy.codebook_update, legacy.temperature_reference, legacy.revive_threshold) == ("gradient", "dim", 0.0)
+    assert load_config(old_run).quantizer.codebook_update == "mstep"   # a user's config gets today's default
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("study_")))

@@ -19,11 +19,15 @@ def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -
     if q.type == "ddcl":
         return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, temperature_final=q.temperature_final,
                              temperature_schedule=q.temperature_schedule, schedule_steps=steps, mode=q.mode,
-                             beta=q.beta, codebook_init=q.codebook_init, implementation=q.implementation)
+                             beta=q.beta, codebook_init=q.codebook_init, implementation=q.implementation,
+                             temperature_reference=q.temperature_reference, codebook_update=q.codebook_update,
+                             revive_threshold=q.revive_threshold, encoder_gradient=q.encoder_gradient,
+                             **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "hard":
         return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
     if q.type == "ema":
-        return EMAVQ(q.num_codes, dim, decay=q.decay, beta=q.beta, dead_code_threshold=q.dead_code_threshold)
+        return EMAVQ(q.num_codes, dim, beta=q.beta, dead_code_threshold=q.dead_code_threshold,
+                     **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "vqp":
         return VQPQuantizer(q.num_codes, dim, **q.vqp)
     raise ValueError(f"expected quantizer.type in ddcl, hard, ema, vqp, got {q.type!r}")
@@ -43,7 +47,8 @@ def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.
     """AdamW with two groups: encoder/decoder at ``lr``, the codebook at ``codebook_lr_ratio``·lr.
 
     DDCL-Attention's stability argument needs the prototypes on the faster timescale
-    (ratio > 1); a warning says so when the ratio is ≤ 1 for a DDCL quantizer.
+    (ratio > 1); a warning says so when the ratio is ≤ 1 for a DDCL codebook trained by gradient
+    (the default M-step codebook has no parameters to optimise: the ratio does not apply).
     """
     codebook = [p for p in model.quantizer.parameters() if p.requires_grad]
     ids = {id(p) for p in codebook}
@@ -51,7 +56,7 @@ def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.
     groups = [{"params": rest, "lr": t.lr, "weight_decay": t.weight_decay, "name": "encoder_decoder"}]
     if codebook:
         groups.append({"params": codebook, "lr": t.lr * t.codebook_lr_ratio, "weight_decay": 0.0, "name": "codebook"})
-    if quantizer_type == "ddcl" and t.codebook_lr_ratio <= 1:
+    if quantizer_type == "ddcl" and codebook and t.codebook_lr_ratio <= 1:
         warnings.warn(f"train.codebook_lr_ratio={t.codebook_lr_ratio:g} <= 1: DDCL's timescale condition asks "
                       "for the codebook to learn faster than the encoder (ratio > 1)", stacklevel=2)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.99))

@@ -55,18 +55,22 @@ class QuantizerConfig:
     num_codes: int = 512                     # K
     # ddcl
     mode: str = "straight_through"
-    temperature: float = 0.01                # relative to D: softmax(-d / (temperature * D)); schedule start
+    temperature: float = 0.1                 # tau: softmax(-d / (tau * reference scale)); schedule start
+    temperature_reference: str = "data"      # data (running mean nearest-code distance) | dim (D)
     temperature_schedule: str = "constant"   # constant | cosine | exponential (anneal over train.steps)
     temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
-    codebook_init: str = "uniform"
+    codebook_update: str = "mstep"           # mstep (EMA of DDCL's soft M-step) | gradient (optimizer at rho*lr)
+    revive_threshold: float = 0.03           # re-seed codes whose EMA soft mass < this x N/K (0 = off)
+    encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
+    codebook_init: str = "kmeans"
     implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
     # ddcl, hard, ema
     beta: float = 0.25                       # commitment weight
     # hard
     distance: str = "euclidean"
     kmeans_init: bool = False
-    # ema
-    decay: float = 0.99
+    # ddcl (M-step statistics) and ema (codebook); None: the quantizer's default (ddcl 0.9, ema 0.99)
+    decay: Optional[float] = None
     dead_code_threshold: float = 0.0
     # vqp: keyword arguments passed to vector_quantize_pytorch.VectorQuantize as they are
     vqp: Dict[str, Any] = field(default_factory=dict)
@@ -114,6 +118,9 @@ CHOICES = {
     "quantizer.type": ("ddcl", "hard", "ema", "vqp"),
     "quantizer.mode": ("soft", "straight_through", "soft_straight_through"),
     "quantizer.codebook_init": ("uniform", "normal", "kmeans"),
+    "quantizer.temperature_reference": ("data", "dim"),
+    "quantizer.codebook_update": ("mstep", "gradient"),
+    "quantizer.encoder_gradient": ("identity", "rotation"),
     "quantizer.implementation": ("auto", "reference", "fused", "chunked"),
     "quantizer.distance": ("euclidean", "cosine"),
     "train.lr_schedule": ("constant", "cosine"),
@@ -124,12 +131,16 @@ CHOICES = {
 POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels",
             "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
             "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
-            "train.checkpoint_every", "train.image_every", "train.usage_window", "quantizer.decay"}
+            "train.checkpoint_every", "train.image_every", "train.usage_window"}
 #: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
 #: moves them instead, for the resolved config.yaml of runs written before the move)
 RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
            "train.temperature_final": "quantizer.temperature_final"}
+#: DDCL settings a run saved before the M-step existed was trained with (keys absent from its config.yaml)
+LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
+               "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
+                "quantizer.revive_threshold",
                 "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
 
 
@@ -159,13 +170,22 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
             target = raw.setdefault(nsec, {})
             if isinstance(target, dict):
                 target.setdefault(nname, value)
+    quantizer = raw.get("quantizer")
+    if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl" and "codebook_update" not in quantizer:
+        for name, value in LEGACY_DDCL.items():  # a run from before the M-step: what it was trained with
+            quantizer.setdefault(name, value)
     return raw
 
 
 def validate(cfg: Config) -> None:
     check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
-    if not cfg.quantizer.decay < 1:
-        raise ConfigError(f"config key 'quantizer.decay': expected a value < 1, got {cfg.quantizer.decay!r}")
+    decay = cfg.quantizer.decay
+    if decay is not None and not 0 <= decay < 1:
+        raise ConfigError(f"config key 'quantizer.decay': expected 0 <= decay < 1 (or null for the quantizer's "
+                          f"default), got {decay!r}")
+    if not cfg.quantizer.revive_threshold < 1:
+        raise ConfigError("config key 'quantizer.revive_threshold': expected a value < 1, got "
+                          f"{cfg.quantizer.revive_threshold!r}")
     tf = cfg.quantizer.temperature_final
     if cfg.quantizer.temperature_schedule != "constant" and (tf is None or not tf > 0):
         raise ConfigError("config key 'quantizer.temperature_final': expected a value > 0 when "

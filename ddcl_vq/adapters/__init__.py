@@ -26,16 +26,19 @@ What changes is the quantizer, not its interface:
   (``F.mse_loss``) scale of the classic VQ-VAE loss, i.e. (distortion + β·commitment) / D in
   the default ``straight_through`` mode. Add it to the reconstruction loss as before.
   It is computed in eval mode too (vector-quantize-pytorch returns 0 there).
-- The codebook is a learned ``nn.Parameter`` trained by gradient (the DDCL distortion), so it
-  must be in the optimizer: call :func:`swap_quantizer` before building the optimizer.
+- The codebook is an ``nn.Parameter``. By default (``codebook_update="mstep"``) it is DDCL's
+  M-step, updated inside training forwards, with ``requires_grad=False``: the host's optimizer
+  leaves it alone. With ``codebook_update="gradient"`` it is trained by the gradient of the DDCL
+  distortion and must be in the optimizer: call :func:`swap_quantizer` before building it.
 - The host's β / commitment weight becomes the DDCL commitment weight ``beta``; taming's
   ``legacy`` flag (which swapped β onto the codebook term) is kept as an attribute only.
 - ``.ddcl`` is the wrapped :class:`~ddcl_vq.DDCLQuantizer` (set ``.ddcl.temperature`` from a
   schedule); ``.last_output`` is the last :class:`~ddcl_vq.QuantizerOutput`, detached, so the
   terms (``distortion``, ``ols``, ``variance``, ``commitment``) and ``soft_counts`` can be logged.
 - ``state_dict`` keys are the host's own (taming/diffusers: ``embedding.weight`` [+ ``used``];
-  notebook: ``_embedding.weight``): the DDCL ``initialized`` flag and temperature schedule are
-  not saved, and loading a codebook marks it initialised. A checkpoint trained with the swap
+  notebook: ``_embedding.weight``): the DDCL ``initialized`` flag, temperature schedule and
+  M-step statistics are not saved (the statistics restart from the codebook at the next training
+  forward), and loading a codebook marks it initialised. A checkpoint trained with the swap
   therefore loads strictly into the swapped host *and* into the plain host (which then decodes
   the same hard codes).
 

@@ -1,0 +1,189 @@
+"""The default DDCL codebook mechanisms, each by its defining property on a fixed batch:
+the M-step codebook, revival of starved codes, the data-relative temperature, k-means start,
+the rotation trick, and loading a checkpoint from before the M-step."""
+import pytest
+import torch
+
+from ddcl_vq import DDCLQuantizer
+from ddcl_vq.assignment import soft_statistics
+from ddcl_vq.ddcl import rotate_to
+
+
+def batch(n=64, d=4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=dtype)
+
+
+def test_mstep_with_decay_0_puts_each_code_at_its_soft_weighted_mean():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, decay=0.0, revive_threshold=0.0, codebook_init="normal",
+                          temperature=0.3).double()
+    z = batch()
+    w0 = quant.codebook.detach().clone()
+    quant(z)
+    d = torch.cdist(z, w0).pow(2)
+    scale = 0.3 * d.min(1).values.mean()            # τ × the batch's mean nearest distance (first batch)
+    q = torch.softmax(-d / scale, 1)
+    expected = (q.t() @ z) / q.sum(0)[:, None]
+    torch.testing.assert_close(quant.codebook.detach(), expected, rtol=1e-10, atol=1e-10)
+    assert not quant.codebook.requires_grad
+
+
+def test_mstep_is_a_moving_average_of_the_soft_statistics():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, decay=0.75, revive_threshold=0.0, codebook_init="normal").double()
+    z1, z2 = batch(seed=1), batch(seed=2)
+    quant(z1)
+    mass, sums = quant.cluster_mass.clone(), quant.cluster_sums.clone()
+    w1, scale = quant.codebook.detach().clone(), quant.softmax_scale()
+    quant(z2)
+    s = soft_statistics(z2, w1, scale)
+    torch.testing.assert_close(quant.cluster_mass, 0.75 * mass + 0.25 * s.mass)
+    torch.testing.assert_close(quant.cluster_sums, 0.75 * sums + 0.25 * s.sums)
+    torch.testing.assert_close(quant.codebook.detach(), quant.cluster_sums / quant.cluster_mass[:, None])
+
+
+def test_soft_statistics_equal_the_dense_computation_in_any_blocking():
+    z, w = batch(300, 8, seed=3), batch(50, 8, seed=4)
+    d = torch.cdist(z, w).pow(2)
+    q = torch.softmax(-d / 2.0, 1)
+    for rows in (7, 64, 1000):
+        s = soft_statistics(z, w, 2.0, rows=rows)
+        torch.testing.assert_close(s.mass, q.sum(0))
+        torch.testing.assert_close(s.sums, q.t() @ z)
+        torch.testing.assert_close(s.distortion, (q * d).sum(1).mean())
+        torch.testing.assert_close(s.distortion, s.ols + s.variance, rtol=1e-10, atol=1e-12)
+        assert torch.equal(s.indices, d.argmin(1))
+        torch.testing.assert_close(s.nearest, d.min(1).values)
+
+
+def test_a_starved_code_is_revived_where_the_distortion_is():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.1).double()
+    z = batch()
+    quant(z)                                         # initialise
+    with torch.no_grad():                            # one code far from every vector, with no mass
+        quant.weight[3] = 1e3
+        quant.cluster_sums[3] = 1e3 * 1e-9
+        quant.cluster_mass[3] = 1e-9
+    quant(z)
+    assert int(quant.revived) >= 1
+    assert quant.codebook[3].abs().max() < 100       # re-seeded on a batch vector
+    assert any(torch.allclose(quant.codebook[3], row) for row in z)
+    assert (quant.cluster_mass > 0).all()
+    assert quant.log_stats()["revived"] == float(quant.revived)
+
+
+def test_no_revival_when_switched_off():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.0).double()
+    z = batch()
+    quant(z)
+    with torch.no_grad():
+        quant.cluster_mass[3] = 1e-9
+    quant(z)
+    assert int(quant.revived) == 0
+
+
+def test_data_relative_temperature_is_invariant_to_the_feature_scale():
+    z = batch(128, 4, seed=5)
+    outs = []
+    for c in (1.0, 37.0):
+        torch.manual_seed(0)
+        quant = DDCLQuantizer(16, 4, channel_dim=-1, codebook_init="normal").double()
+        with torch.no_grad():
+            quant.weight.mul_(c)
+        first = quant(c * z)
+        second = quant(c * z)
+        outs.append((first, second, quant.softmax_scale() / c ** 2))
+    for a, b in zip(outs[0][:2], outs[1][:2]):
+        assert torch.equal(a.indices, b.indices)
+        torch.testing.assert_close(a.soft_counts, b.soft_counts)
+    assert outs[0][2] == pytest.approx(outs[1][2])
+
+
+def test_dim_reference_keeps_the_per_dimension_temperature():
+    quant = DDCLQuantizer(8, 4, temperature=0.01, temperature_reference="dim")
+    assert quant.softmax_scale() == pytest.approx(0.04)
+
+
+def test_kmeans_start_puts_codes_on_the_data_and_breaks_ties_when_codes_outnumber_vectors():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(32, 4, channel_dim=-1, revive_threshold=0.0).double()   # default k-means init
+    z = batch(16)                                    # fewer vectors than codes: k-means repeats seeds
+    quant(z)
+    w = quant.codebook.detach()
+    assert torch.cdist(w, w).add(torch.eye(32, dtype=w.dtype)).min() > 0    # no two codes identical
+    assert torch.cdist(w, z).min(1).values.median() < 0.1                   # codes start on the data
+
+
+def test_rotation_trick_value_and_gradient_match_the_closed_form():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 5, dtype=torch.float64, generator=g)
+    code = torch.randn(1, 5, dtype=torch.float64, generator=g)
+    out = rotate_to(z, code)
+    torch.testing.assert_close(out, code)
+    jac = torch.autograd.functional.jacobian(lambda x: rotate_to(x, code), z).reshape(5, 5)
+    u, c = z[0] / z.norm(), code[0] / code.norm()
+    r = (u + c) / (u + c).norm()
+    rotation = torch.eye(5, dtype=torch.float64) - 2 * torch.outer(r, r) + 2 * torch.outer(c, u)
+    torch.testing.assert_close(jac, (code.norm() / z.norm()) * rotation)
+    torch.testing.assert_close(rotation @ rotation.t(), torch.eye(5, dtype=torch.float64))
+    torch.testing.assert_close(rotation @ u, c)
+
+
+def test_rotation_option_in_the_quantizer():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, encoder_gradient="rotation", codebook_init="normal").double()
+    quant(batch(seed=1))                            # initialise (k-means)
+    z = batch().requires_grad_(True)
+    before = quant.codebook.detach().clone()        # the batch decodes its codes before the update
+    out = quant(z)
+    torch.testing.assert_close(out.quantized, before[out.indices], rtol=0, atol=1e-12)
+    out.quantized.sum().backward()
+    assert torch.isfinite(z.grad).all() and z.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["soft", "soft_straight_through"])
+def test_mstep_codebook_in_soft_modes(mode):
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, mode=mode, codebook_init="normal").double()
+    z = batch().requires_grad_(True)
+    w0 = quant.codebook.detach().clone()
+    out = quant(z)
+    (out.quantized.sum() + out.loss).backward()
+    assert z.grad.abs().sum() > 0 and quant.weight.grad is None
+    assert not torch.equal(w0, quant.codebook.detach())               # the M-step moved the codes
+    torch.testing.assert_close(out.terms["distortion"], out.terms["ols"] + out.terms["variance"])
+
+
+def test_evaluation_mode_changes_nothing():
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal").double()
+    quant(batch(seed=1))
+    state = {k: v.clone() for k, v in quant.state_dict().items()}
+    quant.eval()
+    quant(batch(seed=2))
+    for k, v in quant.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_checkpoint_from_before_the_mstep_loads_into_the_legacy_settings():
+    legacy = DDCLQuantizer(8, 4, codebook_update="gradient", temperature_reference="dim", codebook_init="uniform")
+    old = {k: v for k, v in legacy.state_dict().items()
+           if k not in ("cluster_mass", "cluster_sums", "distance_scale", "revived")}
+    DDCLQuantizer(8, 4, codebook_update="gradient", temperature_reference="dim").load_state_dict(old)
+    with pytest.raises(RuntimeError, match="codebook_update='gradient'"):
+        DDCLQuantizer(8, 4).load_state_dict(old)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"codebook_update": "adam"}, "codebook_update"),
+    ({"temperature_reference": "norm"}, "temperature_reference"),
+    ({"encoder_gradient": "gumbel"}, "encoder_gradient"),
+    ({"decay": 1.0}, "decay"),
+    ({"revive_threshold": -0.1}, "revive_threshold"),
+])
+def test_bad_mechanism_options_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DDCLQuantizer(8, 4, **kwargs)
