@@ -485,13 +485,20 @@ STATISTICS_BLOCK_ELEMENTS = 1 << 22
 
 
 @torch.no_grad()
-def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[int] = None) -> SoftStatistics:
+def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[int] = None,
+                    support: Optional[int] = None) -> SoftStatistics:
     """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
 
     Computed in blocks of ``rows`` vectors (default ≈ 2**22 / K, 64 to 4096), so extra memory is
     O(rows·K) whatever N is; nothing is kept for autograd. Same centring, distance expansion and
     stable softmax as :func:`assign`; q is shifted by each row's minimum distance before the
     softmax (the same q, exactly: the shift cancels).
+
+    ``support``: when given and < K, each vector's softmax is taken over its ``support`` nearest
+    codes only (the others get q = 0). Large codebooks need it: the full q costs an N×K softmax
+    and two more N×K×D matmuls, the truncated one a top-k and O(N·support·D) work, and at a
+    temperature relative to the nearest-code distance the dropped codes' weights are
+    exp(−gap / scale) with a gap many scales wide. The hard index and nearest distance stay exact.
     """
     if not scale > 0:
         raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
@@ -506,9 +513,23 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     mass = torch.zeros(k, dtype=z.dtype, device=z.device)
     sums = torch.zeros_like(w)
     totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
+    truncated = support is not None and support < k
     for start in range(0, n, rows):
         x = z[start:start + rows] - center
         d = squared_distances(x, w)
+        if truncated:
+            d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
+            dmin, idx = d_top[:, 0], code[:, 0]
+            indices[start:start + rows] = idx
+            nearest[start:start + rows] = dmin
+            q = torch.softmax((dmin[:, None] - d_top) / scale, 1)               # (rows, support)
+            mass.index_add_(0, code.reshape(-1), q.reshape(-1))
+            sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
+            soft = torch.einsum("rs,rsd->rd", q, w[code])
+            totals[0] += (q * d_top).sum()
+            totals[1] += (x - soft).pow(2).sum()
+            totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
+            continue
         dmin, idx = d.min(1)
         indices[start:start + rows] = idx
         nearest[start:start + rows] = dmin

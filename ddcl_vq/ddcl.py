@@ -92,6 +92,12 @@ def rotate_to(z: Tensor, code: Tensor) -> Tensor:
     return rotated * (code_norm / z_norm).detach()
 
 
+#: above this many codes the M-step's soft statistics use each vector's TRUNCATED_SUPPORT nearest
+#: codes (see :func:`ddcl_vq.assignment.soft_statistics`); up to it, every code (exact)
+TRUNCATE_ABOVE = 4096
+TRUNCATED_SUPPORT = 64
+
+
 class DDCLQuantizer(Quantizer):
     """Differentiable soft codebook (DDCL) with three output modes and its own temperature schedule.
 
@@ -270,6 +276,13 @@ class DDCLQuantizer(Quantizer):
         return {"mode": self.mode, "temperature": self.temperature,
                 "temperature_reference": self.temperature_reference, "codebook_update": self.codebook_update}
 
+    @property
+    def statistics_support(self) -> Optional[int]:
+        """Codes per vector in the M-step's soft statistics: all (None) up to K = TRUNCATE_ABOVE,
+        else each vector's TRUNCATED_SUPPORT nearest (their weights beyond are below e^-20 at the
+        default temperature in trained models; the hard index stays exact)."""
+        return None if self.num_codes <= TRUNCATE_ABOVE else TRUNCATED_SUPPORT
+
     def softmax_scale(self, temperature: Optional[float] = None) -> float:
         """The softmax divisor s for τ = ``temperature`` (default: the current τ)."""
         tau = self.temperature if temperature is None else temperature
@@ -429,7 +442,7 @@ class DDCLQuantizer(Quantizer):
                 # the M-step's statistics on sg(z) with the codebook before this batch's update
                 # the batch decodes the codes it was assigned to (the codebook before its update)
                 w = self.weight.detach().to(dtype, copy=True)
-                stats = soft_statistics(x.detach(), w, scale)
+                stats = soft_statistics(x.detach(), w, scale, support=self.statistics_support)
                 if learn:
                     self._update_statistics(x.detach(), stats)
                 indices, counts = stats.indices, stats.mass

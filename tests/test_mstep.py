@@ -188,3 +188,22 @@ def test_checkpoint_from_before_the_mstep_loads_into_the_legacy_settings():
 def test_bad_mechanism_options_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DDCLQuantizer(8, 4, **kwargs)
+
+
+def test_truncated_support_keeps_the_hard_assignment_and_the_nearest_codes_statistics():
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(200, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(300, 4, generator=g, dtype=torch.float64)
+    full = soft_statistics(z, w, 0.01, rows=64)
+    top = soft_statistics(z, w, 0.01, rows=64, support=16)
+    assert torch.equal(full.indices, top.indices) and torch.equal(full.nearest, top.nearest)
+    torch.testing.assert_close(top.mass.sum(), torch.tensor(200.0, dtype=torch.float64))
+    torch.testing.assert_close(top.mass, full.mass, atol=1e-3, rtol=0)     # weights beyond 16 codes are tiny
+    torch.testing.assert_close(top.sums, full.sums, atol=1e-2, rtol=0)
+    torch.testing.assert_close(top.distortion, top.ols + top.variance)
+
+
+def test_large_codebooks_use_the_truncated_support():
+    from ddcl_vq.ddcl import TRUNCATE_ABOVE, TRUNCATED_SUPPORT
+    assert DDCLQuantizer(TRUNCATE_ABOVE, 4).statistics_support is None
+    assert DDCLQuantizer(TRUNCATE_ABOVE + 1, 4).statistics_support == TRUNCATED_SUPPORT
