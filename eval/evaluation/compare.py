@@ -34,19 +34,29 @@ COLUMNS = [  # (key, header, format)
     ("hard_lpips", "LPIPS hard", ".4f"), ("soft_psnr", "PSNR soft (dB)", ".2f"),
     ("soft_minus_hard_psnr", "soft−hard PSNR", "+.2f"), ("utilization", "utilization", ".1%"),
     ("dead_codes", "dead codes", "d"), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
-    ("train_seconds", "train time (s)", ".0f"),
+    ("train_seconds", "train time (s)", ".0f"), ("ms_per_step", "ms/step", ".1f"),
 ]
 
 COLUMN_DEFINITIONS = """\
-settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to D; a -> b when
-                  annealed, with the schedule), codebook/encoder learning-rate ratio rho; EMA decay and
-                  dead-code threshold; vector-quantize-pytorch keyword arguments ({} = its defaults)
+settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to D, or to the
+                  data's nearest-code distance where marked (data); a -> b when annealed, with the
+                  schedule), the codebook's update (M-step, with its statistics' decay when set, or by
+                  gradient at codebook/encoder learning-rate ratio rho), init other than uniform,
+                  revival threshold, rotation trick; EMA decay and dead-code threshold;
+                  vector-quantize-pytorch keyword arguments ({} = its defaults)
 PSNR/MSE/SSIM/LPIPS hard = decoded from hard codes on the evaluated split (see definitions below)
 PSNR soft, soft−hard    = DDCL only: decoded from soft codes, and soft minus hard
 utilization, dead codes, perplexity = dataset level, hard indices, on the evaluated split
 steps           = training steps of the evaluated checkpoint
 train time (s)  = wall-clock seconds of training logged in metrics.jsonl, summed over sessions
-                  (shared machines: depends on the load, not only on the quantizer)"""
+                  (shared machines: depends on the load, not only on the quantizer)
+ms/step         = milliseconds of wall-clock time per training step, from metrics.jsonl 'time':
+                  the sum of time differences over the sum of step differences between consecutive
+                  logged steps of the same session. The steps before each session's first logged
+                  step are left out, so one-off start-up costs (data loading, k-means
+                  initialisation, first-step warm-up) are not in it (they are in train time);
+                  logging and checkpoint writes are. Same caveat as train time: arms trained at
+                  once (--jobs > 1) or on a loaded machine share the cores"""
 
 
 # --------------------------------------------------------------------------- evaluation freshness
@@ -109,14 +119,48 @@ def train_seconds(run_dir: Path) -> Optional[float]:
     return total + (last or 0.0) if last is not None else None
 
 
+def ms_per_step(run_dir: Path) -> Optional[float]:
+    """Milliseconds per training step from metrics.jsonl (see COLUMN_DEFINITIONS): sum of 'time'
+    differences over sum of 'step' differences between consecutive records of one session (a
+    session ends where 'time' goes back or 'step' does not advance: a resumed run). A run whose
+    sessions each logged one record falls back to the first record's time / step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            points.append((float(record["time"]), int(record["step"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    seconds = steps = 0.0
+    for (t0, s0), (t1, s1) in zip(points, points[1:]):
+        if t1 >= t0 and s1 > s0:
+            seconds += t1 - t0
+            steps += s1 - s0
+    if steps > 0:
+        return 1000.0 * seconds / steps
+    if points and points[0][1] > 0:
+        return 1000.0 * points[0][0] / points[0][1]
+    return None
+
+
 def settings_text(cfg) -> str:
     q, t = cfg.quantizer, cfg.train
     if q.type == "ddcl":
         tau = f"τ={q.temperature:g}"
         if q.temperature_schedule != "constant":
             tau = f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})"
-        init = "" if q.codebook_init == "uniform" else f", {q.codebook_init} init"
-        return f"{q.mode}, {tau}, ρ={t.codebook_lr_ratio:g}{init}"
+        tau += " (data)" if q.temperature_reference == "data" else ""
+        if q.codebook_update == "mstep":
+            codebook = "M-step" + (f" decay={q.decay:g}" if q.decay is not None else "")
+        else:
+            codebook = f"ρ={t.codebook_lr_ratio:g}"
+        extra = ([f"{q.codebook_init} init"] if q.codebook_init != "uniform" else []) \
+            + ([f"revival {q.revive_threshold:g}"] if q.revive_threshold > 0 else []) \
+            + (["rotation trick"] if q.encoder_gradient == "rotation" else [])
+        return ", ".join([q.mode, tau, codebook] + extra)
     if q.type == "hard":
         extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
@@ -145,7 +189,8 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         "soft_psnr": soft["psnr"] if soft else None, "soft_minus_hard_psnr": gap["psnr"] if gap else None,
         "utilization": c["utilization"], "active_codes": c["active_codes"], "dead_codes": c["dead_codes"],
         "perplexity": c["perplexity"], "soft_perplexity": c["soft_perplexity"], "steps": ev["step"],
-        "train_seconds": train_seconds(run_dir), "split": ev["split"], "num_images": ev["num_images"],
+        "train_seconds": train_seconds(run_dir), "ms_per_step": ms_per_step(run_dir),
+        "split": ev["split"], "num_images": ev["num_images"],
     }
 
 
@@ -157,10 +202,10 @@ def _cell(value, spec: str) -> str:
     return format(value, spec)
 
 
-def markdown_table(rows: Sequence[Dict]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown_table(rows: Sequence[Dict], columns: Sequence[tuple] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |")
     return "\n".join(lines)
 
 
@@ -248,6 +293,9 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     markers = {"ddcl": "o", "hard": "s", "ema": "^", "vqp": "D"}
     for r in rows:
+        if r.get("hard_psnr_sd") is not None or r.get("utilization_sd") is not None:
+            ax.errorbar(r["utilization"], r["hard_psnr"], xerr=r.get("utilization_sd"), yerr=r.get("hard_psnr_sd"),
+                        fmt="none", ecolor="gray", elinewidth=0.8, capsize=2)
         ax.scatter(r["utilization"], r["hard_psnr"], marker=markers.get(r["type"], "x"), s=36)
         ax.annotate(r["name"], (r["utilization"], r["hard_psnr"]), fontsize=6, xytext=(3, 2),
                     textcoords="offset points")
@@ -258,7 +306,9 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
     handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=t) for t, m in markers.items()
                if any(r["type"] == t for r in rows)]
     ax.legend(handles=handles, fontsize=7)
-    ax.set_title("Reconstruction (hard codes) vs codebook utilization", fontsize=9)
+    spread = any(r.get("hard_psnr_sd") is not None for r in rows)
+    ax.set_title("Reconstruction (hard codes) vs codebook utilization"
+                 + (": means, bars ± sample sd over seeds" if spread else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -296,34 +346,58 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
 
 # --------------------------------------------------------------------------- compare
 
-def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
-            batch_size: int = 256, names: Optional[Sequence[str]] = None, grid_images: int = 8,
-            progress: bool = False, command: Optional[str] = None) -> List[Dict]:
-    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``."""
+def evaluate_runs(run_dirs: Sequence[str | Path], split: str = "test", max_images: int = 0,
+                  batch_size: int = 256, names: Optional[Sequence[str]] = None,
+                  progress: bool = False) -> tuple[List[Dict], List[Dict]]:
+    """(rows, evals): every run evaluated when needed (:func:`ensure_eval`), one table row each."""
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise EvaluateError("expected at least one run directory to compare")
     for d in run_dirs:
         if not d.is_dir():
             raise EvaluateError(f"run directory {str(d)!r} does not exist")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     names = list(names) if names is not None else unique_names(run_dirs)
     evals = [ensure_eval(d, split, max_images, batch_size, progress) for d in run_dirs]
-    rows = [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names)]
+    return [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names)], evals
 
+
+def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: str, max_images: int,
+                 command: Optional[str] = None) -> None:
+    """table.md, table.csv and table.json: one row per run."""
     (out / "table.md").write_text(markdown_table(rows) + "\n\n" + table_footer(evals, command) + "\n")
-    with open(out / "table.csv", "w", newline="") as f:
+    write_csv(out / "table.csv", rows)
+    (out / "table.json").write_text(json.dumps({"rows": list(rows), "command": command, "split": split,
+                                                "max_images": max_images, "definitions": definitions(),
+                                                "column_definitions": COLUMN_DEFINITIONS}, indent=2) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[Dict]) -> None:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "table.json").write_text(json.dumps({"rows": rows, "command": command, "split": split,
-                                                "max_images": max_images, "definitions": definitions(),
-                                                "column_definitions": COLUMN_DEFINITIONS}, indent=2) + "\n")
+
+
+def write_plots(out: Path, run_dirs: Sequence[Path], names: Sequence[str], evals: Sequence[Dict],
+                rows: Sequence[Dict], split: str = "test", grid_images: int = 8) -> None:
+    """The four plots; ``rows`` feed psnr_vs_utilization.png (one point per row, error bars
+    where a row has ``hard_psnr_sd`` / ``utilization_sd``), the runs feed the other three."""
     plot_usage_histograms(evals, names, out / "usage_histograms.png")
     plot_usage_over_training([read_metrics(d) for d in run_dirs], names, out / "usage_over_training.png")
     plot_psnr_vs_utilization(rows, out / "psnr_vs_utilization.png")
     plot_reconstructions(run_dirs, names, out / "reconstructions.png", split, grid_images)
+
+
+def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
+            batch_size: int = 256, names: Optional[Sequence[str]] = None, grid_images: int = 8,
+            progress: bool = False, command: Optional[str] = None) -> List[Dict]:
+    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``."""
+    run_dirs = [Path(d) for d in run_dirs]
+    rows, evals = evaluate_runs(run_dirs, split, max_images, batch_size, names, progress)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tables(out, rows, evals, split, max_images, command)
+    write_plots(out, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
     return rows
 
 
