@@ -25,6 +25,12 @@ class StudyOptions:
     jobs: int = option(1, "arms trained at once, each in its own process; 1: in this process")
     verbose: bool = option(False, "show each arm's training progress (--jobs 1)")
     list_arms: bool = option(False, "print the arms and their status, then exit", flag="--list")
+    seeds: Optional[List[int]] = option(None, "run every arm x sweep point once per seed, replacing the study's "
+                                        "'seeds' (table: mean ± sd)", sep=",", metavar="SEED,...",
+                                        default_text="the study's 'seeds', else one run with the base's run.seed")
+    arms: List[str] = option(default_factory=list, help="only the arms whose run name, or name without the "
+                             "_s<seed> suffix, matches one of these shell patterns (e.g. '*_k256,hard*')",
+                             sep=",", metavar="PATTERN,...", default_text="every arm")
     overrides: List[str] = option(default_factory=list, help="dotted overrides for every arm", positional=True,
                                   nargs="*", metavar="key=value")
 
@@ -37,7 +43,8 @@ OPTIONS = Options(StudyOptions, prog="ddcl-vq study", description=config.__doc__
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     command = shlex.join(["ddcl-vq", "study"] + list(sys.argv[1:] if argv is None else argv))
-    study = load_study(opts.config, quick=opts.quick, out=opts.out, overrides=opts.overrides)
+    study = load_study(opts.config, quick=opts.quick, out=opts.out, overrides=opts.overrides, seeds=opts.seeds,
+                       only=opts.arms)
     if opts.list_arms:
         for arm in study.arms:
             print(f"{arm.name:40s} {arm_status(arm):28s} {' '.join(arm.overrides)}")
@@ -48,7 +55,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_study(study, train_arms=not opts.report_only, progress=True, verbose=opts.verbose,
                        command=command, jobs=opts.jobs, threads=opts.threads)
     from ddcl_vq.eval.evaluation.compare import markdown_table
-    print(markdown_table(result["rows"]))
+
+    from .aggregate import mean_sd_table
+    print(markdown_table(result["rows"]) if result["groups"] is None else mean_sd_table(result["groups"]))
     print(f"\nreport: {study.out / 'report.md'}")
     if result["failed"] or result["unfinished"]:
         print(f"not in the table: {', '.join(list(result['failed']) + result['unfinished'])}", file=sys.stderr)

@@ -8,17 +8,23 @@ A study YAML:
     base: {data: ..., model: ..., train: ...}    # a train config (same keys as configs/*.yaml)
     eval: {split: test, max_images: 2000, batch_size: 256, grid_images: 8}
     sweep: {quantizer.num_codes: [256, 1024, 4096]}   # optional: every arm x every combination
+    seeds: [0, 1, 2]                    # optional: every arm x sweep point once per seed (run.seed)
     arms:
       - name: ddcl_st
         overrides: {quantizer.type: ddcl, quantizer.mode: straight_through}   # or ["key=value", ...]
+        vs: hard                        # optional: the arm this one is measured against in report.md
     quick: ["train.steps=4", ...]       # optional: what --quick changes (default QUICK_OVERRIDES)
 
 The file is read into :class:`StudyFile` by the same typed-settings code as the training config
 (:mod:`ddcl_vq.train.schema`): an unknown key names the nearest valid one, a wrong type or value
 says what was expected. ``null`` means "not set".
 
-Each arm's config = base <- sweep values <- arm overrides <- --quick <- command-line overrides,
-with run.name = the arm's name and run.dir = OUT/runs/<arm>. Every arm is validated before
+Each arm's config = base <- sweep values <- arm overrides <- --quick <- command-line overrides
+(<- run.seed with ``seeds``), with run.name = the arm's name and run.dir = OUT/runs/<arm>. Run names:
+the arm's name, a suffix per sweep value (``_k1024``), and with ``seeds`` a seed suffix (``_s0``).
+Without ``seeds`` every arm runs once with the base's run.seed and the table has one row per arm;
+with ``seeds`` the table has one row per arm x sweep point, mean and sample sd over the seeds, and
+a per-seed table below it (``--seeds 0,1`` on the command line replaces the file's list). Every arm is validated before
 anything trains (a ConfigError prefixed with the arm's name). Finished arms
 (checkpoint at train.steps) are skipped, interrupted ones resume from their checkpoints, so
 an interrupted study continues when the same command runs again. A run directory holding a
@@ -59,6 +65,7 @@ class StudyEval:
 class ArmSpec:
     name: Optional[str] = None               # required
     overrides: Any = None                    # ["dotted.key=value", ...] or {dotted.key: value}
+    vs: Optional[str] = None                 # another arm's name: report.md says what this arm changes
 
 
 @dataclass
@@ -72,18 +79,25 @@ class StudyFile:
     eval: StudyEval = field(default_factory=StudyEval)
     sweep: Dict[str, List[Any]] = field(default_factory=dict)   # dotted key -> values
     arms: List[ArmSpec] = field(default_factory=list)
+    seeds: Optional[List[int]] = None        # every arm x sweep point once per seed (default: base's run.seed)
     quick: Any = None                        # what --quick overrides (default QUICK_OVERRIDES)
 
 
 STUDY_RULES = Rules(choices={"eval.split": ("train", "test")}, positive={"eval.batch_size"},
-                    non_negative={"eval.max_images", "eval.grid_images"})
+                    non_negative={"eval.max_images", "eval.grid_images", "seeds"})
 
 
 @dataclass
 class Arm:
-    name: str
+    name: str                                # run name: arm, sweep suffixes, _s<seed> with seeds
     overrides: List[str]
     config: Config
+    group: str = ""                          # the arm x sweep point (the name without the seed suffix)
+    seed: Optional[int] = None               # with seeds: this run's seed
+    vs: Optional[str] = None                 # the group it is measured against (ArmSpec.vs at this point)
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.name
 
 
 @dataclass
@@ -96,6 +110,8 @@ class Study:
     arms: List[Arm]
     base: Dict[str, Any] = field(default_factory=dict)
     quick: bool = False
+    seeds: Optional[List[int]] = None        # None: no seeds (one run per arm, base's run.seed)
+    declared: int = 0                        # runs the file declares (before --arms selects)
 
 
 def _as_overrides(spec: Any, where: str) -> List[str]:
@@ -145,12 +161,49 @@ def read_study_file(path: Path) -> StudyFile:
         if arm.name is None:
             raise ConfigError(f"study {path.name}: arm #{i + 1}: expected {{name: ..., overrides: ...}}, "
                               f"got {raw['arms'][i]!r}")
+    names = [arm.name for arm in spec.arms]
+    for arm in spec.arms:
+        if arm.vs is not None and (arm.vs not in names or arm.vs == arm.name):
+            raise ConfigError(f"study {path.name}: arm {arm.name!r}: 'vs' must name another arm of the study "
+                              f"({', '.join(n for n in names if n != arm.name)}), got {arm.vs!r}")
+    if spec.seeds is not None:
+        check_seeds(spec.seeds, f"study {path.name}: key 'seeds'")
     return spec
 
 
+def check_seeds(seeds: Sequence[int], where: str) -> None:
+    if not seeds:
+        raise ConfigError(f"{where}: expected a non-empty list of seeds, got {list(seeds)!r}")
+    if len(set(seeds)) < len(seeds):
+        raise ConfigError(f"{where}: expected distinct seeds, got {list(seeds)!r}")
+    if any(s < 0 for s in seeds):
+        raise ConfigError(f"{where}: expected seeds >= 0, got {list(seeds)!r}")
+
+
+def _sets_seed(overrides: Sequence[str]) -> bool:
+    return any(o.split("=", 1)[0].strip() == "run.seed" for o in overrides)
+
+
+def select_arms(arms: Sequence[Arm], patterns: Sequence[str], where: str) -> List[Arm]:
+    """The arms whose name or group (the name without its seed suffix) matches one of the shell
+    ``patterns`` (fnmatch: ``*_k256``, ``ddcl*``); an error when none does."""
+    import fnmatch
+    chosen = [a for a in arms if any(fnmatch.fnmatchcase(a.name, p) or fnmatch.fnmatchcase(a.group, p)
+                                     for p in patterns)]
+    if not chosen:
+        groups = list(dict.fromkeys(a.group for a in arms))
+        raise ConfigError(f"{where}: no arm matches {','.join(patterns)!r}; the arms are "
+                          f"{', '.join(groups[:12])}{', ...' if len(groups) > 12 else ''}")
+    return chosen
+
+
 def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
-               overrides: Sequence[str] = ()) -> Study:
-    """Read and validate a study YAML; every arm's config is built (and checked) here."""
+               overrides: Sequence[str] = (), seeds: Optional[Sequence[int]] = None,
+               only: Sequence[str] = ()) -> Study:
+    """Read and validate a study YAML; every arm's config is built (and checked) here.
+
+    ``seeds``: replaces the file's ``seeds``; ``only``: shell patterns selecting arms by name or by
+    arm x sweep point (every declared arm is still validated)."""
     path = Path(path)
     spec = read_study_file(path)
     name = spec.name or path.stem
@@ -160,27 +213,49 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
     out_dir = Path(out) if out else Path(spec.out or f"reports/{name}")
     if quick and not out:
         out_dir = out_dir.with_name(out_dir.name + "_quick")
+    if seeds is not None:
+        check_seeds(seeds, "option --seeds")
+    seed_list = list(seeds) if seeds is not None else spec.seeds
+    if seed_list is not None and _sets_seed(overrides):
+        raise ConfigError(f"study {path.name}: run.seed is set by 'seeds' ({seed_list}); "
+                          "choose seeds with --seeds, not run.seed=")
 
     sweep = spec.sweep
     combos = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())] if sweep else [{}]
     arms: List[Arm] = []
     seen = set()
     specs = [(arm, _as_overrides(arm.overrides, f"study {path.name}: arm {arm.name!r}")) for arm in spec.arms]
-    # sweep values vary slowest: every arm at the first value trains first (list the headline value first)
-    for combo in combos:
+    if seed_list is not None:
         for arm, arm_overrides in specs:
-            arm_name = "_".join([arm.name] + [_sweep_suffix(k, v) for k, v in combo.items()])
-            if not NAME_RE.match(arm_name):
-                raise ConfigError(f"study {path.name}: arm name {arm_name!r}: expected letters, digits, '_', '-', '.'")
-            if arm_name in seen:
-                raise ConfigError(f"study {path.name}: arm name {arm_name!r} appears twice")
-            seen.add(arm_name)
-            all_overrides = (_as_overrides(combo, "sweep") + arm_overrides + quick_overrides + list(overrides)
-                             + [f"run.name={arm_name}", f"run.dir={out_dir / 'runs' / arm_name}"])
-            try:
-                cfg = Config.from_dict(apply_overrides(spec.base, all_overrides))
-            except ConfigError as err:
-                raise ConfigError(f"study {path.name}: arm {arm_name!r}: {err}") from None
-            arms.append(Arm(arm_name, all_overrides[:-2], cfg))
+            if _sets_seed(arm_overrides):
+                raise ConfigError(f"study {path.name}: arm {arm.name!r}: run.seed is set by 'seeds' ({seed_list}); "
+                                  "remove it from the arm's overrides")
+    # sweep values vary slowest, then seeds: every arm at the first value with the first seed trains
+    # first (list the headline value first)
+    for combo in combos:
+        suffix = [_sweep_suffix(k, v) for k, v in combo.items()]
+        groups = {arm.name: "_".join([arm.name] + suffix) for arm, _ in specs}
+        for seed in (seed_list if seed_list is not None else [None]):
+            for arm, arm_overrides in specs:
+                group = groups[arm.name]
+                arm_name = group if seed is None else f"{group}_s{seed}"
+                if not NAME_RE.match(arm_name):
+                    raise ConfigError(f"study {path.name}: arm name {arm_name!r}: expected letters, digits, "
+                                      "'_', '-', '.'")
+                if arm_name in seen:
+                    raise ConfigError(f"study {path.name}: arm name {arm_name!r} appears twice")
+                seen.add(arm_name)
+                all_overrides = (_as_overrides(combo, "sweep") + arm_overrides + quick_overrides + list(overrides)
+                                 + ([] if seed is None else [f"run.seed={seed}"])
+                                 + [f"run.name={arm_name}", f"run.dir={out_dir / 'runs' / arm_name}"])
+                try:
+                    cfg = Config.from_dict(apply_overrides(spec.base, all_overrides))
+                except ConfigError as err:
+                    raise ConfigError(f"study {path.name}: arm {arm_name!r}: {err}") from None
+                arms.append(Arm(arm_name, all_overrides[:-2], cfg, group=group, seed=seed,
+                                vs=groups[arm.vs] if arm.vs is not None else None))
+    declared = len(arms)
+    if only:
+        arms = select_arms(arms, only, "option --arms")
     return Study(name=name, path=path, description=spec.description.strip(), out=out_dir, eval=ev, arms=arms,
-                 base=spec.base, quick=quick)
+                 base=spec.base, quick=quick, seeds=seed_list, declared=declared)

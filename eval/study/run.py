@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ddcl_vq.eval.machine import describe_machine
 from ddcl_vq.train.errors import UserError
@@ -167,15 +167,43 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
     finished = [a for a in study.arms if a.name in done]
     if not finished:
         raise StudyError(f"study {study.name}: no arm finished ({len(failed)} failed, {len(unfinished)} unfinished)")
-    rows = compare([Path(a.config.run.dir) for a in finished], study.out, study.eval.split,
-                   study.eval.max_images, study.eval.batch_size, names=[a.name for a in finished],
-                   grid_images=study.eval.grid_images, command=command)
+    if study.seeds is None:
+        rows = compare([Path(a.config.run.dir) for a in finished], study.out, study.eval.split,
+                       study.eval.max_images, study.eval.batch_size, names=[a.name for a in finished],
+                       grid_images=study.eval.grid_images, command=command)
+        groups = None
+    else:
+        rows, groups = compare_seeds(study, finished, command)
     info = {"command": command, "date_start": date_start,
             "date_end": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "wall_seconds": round(time.time() - started, 1), "machine_start": machine_start,
             "machine_end": describe_machine(), "jobs": jobs, "failed": failed, "unfinished": unfinished}
-    (study.out / "report.md").write_text(render_report(study, rows, info))
+    (study.out / "report.md").write_text(render_report(study, rows, info, groups))
+    extra = {} if groups is None else {"seeds": study.seeds, "groups": groups}
     (study.out / "study.json").write_text(json.dumps({"study": study.name, "config": str(study.path),
                                                       "arms": [a.name for a in study.arms], **info,
-                                                      "rows": rows}, indent=2) + "\n")
-    return {"rows": rows, **info}
+                                                      "rows": rows, **extra}, indent=2) + "\n")
+    return {"rows": rows, "groups": groups, **info}
+
+
+def compare_seeds(study: Study, finished: List[Arm], command: Optional[str]) -> Tuple[List[Dict], List[Dict]]:
+    """A study with seeds: per-run rows, one mean ± sd row per arm x sweep point, the tables
+    (:func:`write_seed_tables`) and the plots (per-run plots show each arm's first finished seed)."""
+    from ddcl_vq.eval.evaluation.compare import evaluate_runs, write_plots
+
+    from .aggregate import aggregate, write_seed_tables
+
+    ev = study.eval
+    rows, evals = evaluate_runs([Path(a.config.run.dir) for a in finished], ev.split, ev.max_images,
+                                ev.batch_size, names=[a.name for a in finished])
+    for row, arm in zip(rows, finished):
+        row["group"], row["seed"] = arm.group, arm.seed
+    order = {g: i for i, g in enumerate(dict.fromkeys(a.group for a in study.arms))}  # arm x sweep point order
+    ranked = sorted(range(len(rows)), key=lambda i: (order[finished[i].group], study.seeds.index(finished[i].seed)))
+    rows, evals, finished = [rows[i] for i in ranked], [evals[i] for i in ranked], [finished[i] for i in ranked]
+    groups = aggregate(rows)
+    write_seed_tables(study.out, groups, rows, evals, ev.split, ev.max_images, command)
+    first = [i for i, a in enumerate(finished) if i == 0 or finished[i - 1].group != a.group]
+    write_plots(study.out, [Path(finished[i].config.run.dir) for i in first], [finished[i].name for i in first],
+                [evals[i] for i in first], groups, ev.split, ev.grid_images)
+    return rows, groups
