@@ -207,6 +207,8 @@ def test_quick_study_end_to_end(tmp_path):
     report = (out / "report.md").read_text()
     assert "| run | quantizer | K |" in report and "| ddcl | ddcl | 16 |" in report and "| hard | hard | 16 |" in report
     assert "ddcl-vq study --config" in report and "--quick" in report and "perplexity      =" in report
+    assert "±" not in report and "Per seed" not in report and "seed 0" in report  # no seeds: one run per arm
+    assert "runs" not in json.loads((out / "table.json").read_text()) and not (out / "table_runs.csv").exists()
     assert json.loads((out / "runs" / "ddcl" / "eval.json").read_text())["num_images"] == 64  # quick eval
     mtime = (out / "runs" / "hard" / "checkpoints" / "last.pt").stat().st_mtime
     assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0  # finished arms skipped
