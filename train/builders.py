@@ -1,9 +1,10 @@
 """Config -> model, quantizer, optimizer, learning-rate schedule (the temperature schedule is the quantizer's own)."""
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -12,10 +13,45 @@ from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, VQPQuantizer
 from ddcl_vq.models import VQVAE, Decoder, Encoder
 
 from .config import Config, QuantizerConfig, TrainConfig
+from .errors import one_line
+from .schema import ConfigError, nearest
 
 
 def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Quantizer:
-    """The configured quantizer; ``steps`` (train.steps) is the length of a DDCL temperature schedule."""
+    """The configured quantizer; ``steps`` (train.steps) is the length of a DDCL temperature schedule.
+
+    A setting the quantizer refuses (its ValueError, or a keyword ``quantizer.vqp`` passes that
+    VectorQuantize does not take) is a ConfigError naming the setting."""
+    if q.type == "vqp":
+        check_vqp_kwargs(q.vqp)
+    # the peer checks its keyword arguments with TypeError/assert; ours say ValueError
+    refused = (ValueError, TypeError, AssertionError) if q.type == "vqp" else (ValueError,)
+    try:
+        return _quantizer(q, dim, steps)
+    except refused as err:
+        what = "quantizer.vqp (passed to vector_quantize_pytorch.VectorQuantize)" if q.type == "vqp" else "quantizer.*"
+        raise ConfigError(f"config keys {what}: the {q.type} quantizer refuses these settings: "
+                          f"{one_line(err) or type(err).__name__}") from None
+
+
+def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
+    """Every key of ``quantizer.vqp`` is a keyword argument of VectorQuantize (checked when it is installed)."""
+    try:
+        from vector_quantize_pytorch import VectorQuantize
+    except ImportError:
+        return  # VQPQuantizer says how to install it
+    params = inspect.signature(VectorQuantize.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [name for name in params if name not in ("self", "dim", "codebook_size")]
+    for key in kwargs:
+        if key not in valid:
+            raise ConfigError(f"unknown config key 'quantizer.vqp.{key}' (not a keyword argument of "
+                              f"vector_quantize_pytorch.VectorQuantize); did you mean "
+                              f"'quantizer.vqp.{nearest(key, valid)}'?")
+
+
+def _quantizer(q: QuantizerConfig, dim: int, steps: Optional[int]) -> Quantizer:
     if q.type == "ddcl":
         return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, temperature_final=q.temperature_final,
                              temperature_schedule=q.temperature_schedule, schedule_steps=steps, mode=q.mode,

@@ -51,6 +51,18 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dic
     return state
 
 
+def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model") -> None:
+    """``target.load_state_dict(state)`` (a model, optimizer or scheduler); a checkpoint that does
+    not fit what the config built (another K, D, quantizer type, ...) is a CheckpointError."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as err:
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)[:300]
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the {what} built from the config "
+                              f"(another number of codes, latent size or quantizer?): {detail}") from None
+
+
 def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:
     """step_XXXXXXX.pt files, newest first."""
     files = [p for p in Path(ckpt_dir).glob("step_*.pt") if re.fullmatch(r"step_\d+\.pt", p.name)]

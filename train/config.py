@@ -10,16 +10,17 @@ came. ``to_dict`` / ``from_dict`` round-trip exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from .schema import ConfigError, Rules, apply, check, keys_of, nearest
+from .schema import ConfigError, Rules, apply, check, keys_of, leaves, nearest
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
-           "validate", "RENAMED", "migrate_renamed"]
+           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml"]
 
 
 @dataclass
@@ -178,7 +179,15 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def validate(cfg: Config) -> None:
+    for key, value in leaves(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
     check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
+    size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
+    if size % factor:
+        raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "
+                          f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; "
+                          f"e.g. {max(factor, size // factor * factor)} or {(size // factor + 1) * factor}")
     decay = cfg.quantizer.decay
     if decay is not None and not 0 <= decay < 1:
         raise ConfigError(f"config key 'quantizer.decay': expected 0 <= decay < 1 (or null for the quantizer's "
@@ -231,15 +240,36 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     raw: Dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raw = read_yaml(path, "config file")
         if migrate:
             raw = migrate_renamed(raw)
     return Config.from_dict(apply_overrides(raw, overrides))
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """The YAML document in ``path`` ({} when empty); any reason it cannot be read is a ConfigError."""
+    if not path.exists():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a directory, expected a YAML file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} on line "
+                          f"{line}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
+def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
+    new_values = dict(leaves(new))
+    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
 
 
 def dump_config(cfg: Config) -> str:

@@ -3,8 +3,9 @@
 Errors a user can fix by changing what they asked for (a config key, an option, a missing
 dataset, an unreadable checkpoint, a run directory that cannot be evaluated, ...) derive from
 :class:`UserError`. Every command's ``main`` is wrapped in :func:`entry_point`, which turns a
-UserError into one line, ``ddcl-vq CMD: error: <message>``, and exit status 2; anything
-else is a bug and keeps its traceback.
+UserError — or an OSError from the machine (a full disk, a path that cannot be written) — into
+one line, ``ddcl-vq CMD: error: <message>``, and exit status 2; ``--debug`` (any command) shows
+the traceback instead. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -12,21 +13,61 @@ import functools
 import sys
 from typing import Callable, List, Optional
 
+#: the option every command accepts: errors are raised with their traceback instead of one line
+DEBUG_FLAG = "--debug"
+
+
+def _worker_message(text: str) -> str:
+    """The original message of an exception that a DataLoader worker re-raised in the main
+    process ('Caught X in DataLoader worker process 0.\\nOriginal Traceback ...\\nmodule.X: msg')."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else text
+    head, sep, tail = last.partition(": ")
+    return tail if sep and " " not in head else last
+
 
 class UserError(Exception):
     """Something the user asked for cannot be done as asked; the message says what and why."""
 
+    def __init__(self, *args) -> None:
+        if len(args) == 1 and isinstance(args[0], str) and "\nOriginal Traceback" in args[0]:
+            args = (_worker_message(args[0]),)  # re-raised from a DataLoader worker: keep it one line
+        super().__init__(*args)
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: its message (first line), or its type when it has none."""
+    text = str(err).strip()
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        text = f"{err.strerror}: {str(err.filename)!r}"
+        if err.filename2 is not None:
+            text += f" -> {str(err.filename2)!r}"
+    return (text.splitlines() or [type(err).__name__])[0]
+
 
 def entry_point(prog: str) -> Callable:
-    """Decorator for a command's ``main(argv) -> int``: UserError -> ``PROG: error: ...`` on stderr, 2."""
+    """Decorator for a command's ``main(argv) -> int``: UserError or OSError -> ``PROG: error: ...``
+    on stderr, exit status 2; ``--debug`` anywhere in argv: the traceback instead."""
 
     def wrap(main: Callable[[Optional[List[str]]], int]) -> Callable[[Optional[List[str]]], int]:
         @functools.wraps(main)
         def run(argv: Optional[List[str]] = None) -> int:
+            args = list(sys.argv[1:] if argv is None else argv)
+            debug = DEBUG_FLAG in args
+            if debug:
+                args = [a for a in args if a != DEBUG_FLAG]
             try:
-                return main(argv)
+                return main(args if (debug or argv is not None) else None)
             except UserError as err:
+                if debug:
+                    raise
                 print(f"{prog}: error: {err}", file=sys.stderr)
+                return 2
+            except OSError as err:  # the machine said no: a full disk, a path that cannot be written, ...
+                if debug:
+                    raise
+                print(f"{prog}: error: {one_line(err)} ({type(err).__name__}; {DEBUG_FLAG} shows the traceback)",
+                      file=sys.stderr)
                 return 2
         return run
 

@@ -21,7 +21,7 @@ import typing
 from dataclasses import MISSING, dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from .errors import UserError
+from .errors import DEBUG_FLAG, UserError
 
 
 class ConfigError(UserError, ValueError):
@@ -285,6 +285,9 @@ class Options:
             else:
                 required = self._default(f) is MISSING
                 p.add_argument(self.flag(name), dest=name, required=required, default=argparse.SUPPRESS, **kwargs)
+        # read (and removed from argv) by errors.entry_point; listed here so that --help shows it
+        p.add_argument(DEBUG_FLAG, dest="_debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the full traceback instead of one line")
         return p
 
     def _from_text(self, name: str, raw: Any) -> Any:
@@ -307,7 +310,7 @@ class Options:
     def parse(self, argv: Optional[Sequence[str]]) -> Any:
         parser = self.parser()
         ns = parser.parse_intermixed_args(argv) if self.intermixed else parser.parse_args(argv)
-        given = vars(ns)
+        given = {k: v for k, v in vars(ns).items() if k != "_debug"}
         values: Dict[str, Any] = {}
         for switch, preset in self.presets.items():
             if given.get(switch):

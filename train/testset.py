@@ -12,6 +12,8 @@ from ddcl_vq import CodebookUsage
 from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
 from ddcl_vq.models import VQVAE
 
+from .data import DataUnavailable
+
 
 def shard(dataset: Dataset, max_images: int = 0) -> tuple[Subset, int]:
     """The first ``max_images`` images (all when 0), strided over processes."""
@@ -32,6 +34,8 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
     was_training = model.training
     model.eval()
     part, n = shard(dataset, max_images)
+    if n == 0:
+        raise DataUnavailable("nothing to evaluate: the split has no images")
     loader = DataLoader(part, batch_size=batch_size, shuffle=False)
     has_soft = model.quantizer.has_soft_codes
     usage = CodebookUsage(model.quantizer.num_codes, device=device)
