@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from .errors import UserError
+from .errors import UserError, one_line
+from .schema import ConfigError
 
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
@@ -25,6 +26,13 @@ SPLITS = ("train", "test")
 
 class DataUnavailable(UserError, RuntimeError):
     """A dataset could not be found or downloaded; the message names the ways to get it."""
+
+
+class UnreadableImage(DataUnavailable):
+    """An image file of an image folder cannot be read or decoded; the message names the file."""
+
+
+CHECK_HINT = "`ddcl-vq train --config CONFIG --check-data` lists every unreadable image"
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -135,23 +143,67 @@ def _torchvision_dataset(name: str, split: str, root: str, download: bool, image
     return TensorImageDataset(images.contiguous(), torch.as_tensor(ds.targets), image_size)
 
 
-def _image_folder(root: str, split: str, image_size: int) -> Dataset:
-    from torchvision import datasets, transforms
+class ImageFiles(Dataset):
+    """torchvision's ImageFolder (``folder/<class>/<image>``) whose read errors name the file."""
 
+    def __init__(self, folder: Path, image_size: int):
+        from torchvision import datasets, transforms
+
+        tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                                 transforms.ToTensor()])
+        try:
+            self.folder = datasets.ImageFolder(str(folder), transform=tf)
+        except (FileNotFoundError, NotADirectoryError) as err:  # no class folder, or an empty one
+            raise DataUnavailable(f"image_folder {str(folder)!r}: {one_line(err)} (expected class folders of "
+                                  "images, as torchvision's ImageFolder reads)") from None
+        self.samples = self.folder.samples
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.folder[i]
+        except Exception as err:  # noqa: BLE001 - PIL raises several types for a bad file
+            raise UnreadableImage(f"image {self.samples[i][0]!r} cannot be read ({type(err).__name__}: "
+                                  f"{one_line(err)}); replace or remove it ({CHECK_HINT})") from None
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        """(path, reason) for every file that cannot be decoded (each one is read in full)."""
+        bad = []
+        for path, _ in self.samples:
+            try:
+                self.folder.loader(path)
+            except Exception as err:  # noqa: BLE001
+                bad.append((path, f"{type(err).__name__}: {one_line(err)}"))
+        return bad
+
+
+def _image_folder(root: str, split: str, image_size: int) -> Dataset:
     folder = Path(root) / split
     if not folder.is_dir():
         raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
                               f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
-    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor()])
-    return datasets.ImageFolder(str(folder), transform=tf)
+    return ImageFiles(folder, image_size)
 
 
 def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
     """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
     if split not in SPLITS:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    dataset = _build(data_cfg, split, seed)
+    if len(dataset) == 0:
+        where = f" under {str(Path(data_cfg.root) / split)!r}" if data_cfg.name == "image_folder" else ""
+        raise DataUnavailable(f"{data_cfg.name}: the {split} split has no images{where}")
+    return dataset
+
+
+def _build(data_cfg, split: str, seed: int) -> Dataset:
     name = data_cfg.name
     if name == "fashion_mnist":
+        if data_cfg.image_size < 28:
+            raise ConfigError(f"config key 'data.image_size': fashion_mnist images are 28x28 and are padded, not "
+                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
         images, labels = fashion_mnist_arrays(split, data_cfg.root, data_cfg.download)
         return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
                                   data_cfg.image_size)
@@ -162,6 +214,18 @@ def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
     if name == "natural_patches":
         return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed)
     raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, got {name!r}")
+
+
+def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]]]:
+    """Read every image of both splits (an image folder: each file decoded in full).
+    -> (one line per split saying how many images, (path, reason) for every unreadable file)."""
+    report, bad = [], []
+    for split in SPLITS:
+        dataset = build_dataset(data_cfg, split, seed)
+        if isinstance(dataset, ImageFiles):
+            bad += dataset.unreadable()
+        report.append(f"{data_cfg.name} {split}: {len(dataset)} images")
+    return report, bad
 
 
 def image_channels(data_cfg) -> int:
@@ -179,10 +243,11 @@ class EpochBatches:
 
     def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
         if global_batch % world:
-            raise ValueError(f"expected data.batch_size divisible by the number of processes ({world}), "
-                             f"got {global_batch}")
+            raise ConfigError(f"config key 'data.batch_size': expected a multiple of the number of processes "
+                              f"({world}), got {global_batch}")
         if n < global_batch:
-            raise ValueError(f"expected a dataset of at least data.batch_size={global_batch} images, got {n}")
+            raise DataUnavailable(f"the train split has {n} images, fewer than one batch (data.batch_size="
+                                  f"{global_batch}); lower data.batch_size or add images")
         self.n, self.global_batch, self.seed = n, global_batch, seed
         self.rank, self.world, self.step = rank, world, start_step
         self.per_epoch = n // global_batch
