@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional
 
 from .errors import entry_point
@@ -14,7 +15,10 @@ Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options
   ddcl-vq train --config configs/fashion_ddcl.yaml train.steps=200 quantizer.temperature=0.02
 
 A run resumes from RUN_DIR/checkpoints when they exist (kill it and start the same
-command again). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq.train --config ...
+command again), with the config it was trained with: a change to the model, optimizer, data or
+a schedule is refused (more train.steps, logging and checkpoint intervals may change);
+--config RUN_DIR/config.yaml continues a run as it was. One training at a time per run
+directory (RUN_DIR/train.lock). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq.train --config ...
 """
 
 
@@ -27,9 +31,12 @@ class TrainOptions:
     stop_after: Optional[int] = option(None, "leave after STEPS steps in this session with a checkpoint "
                                              "(pre-emptible jobs); the same command resumes", metavar="STEPS")
     print_config: bool = option(False, "print the resolved config and exit")
+    check_data: bool = option(False, "read every image of both splits (an image folder: decode each file), list "
+                                     "those that cannot be read, and exit (status 2 if any)")
 
 
-OPTIONS = Options(TrainOptions, prog="ddcl-vq train", description=HELP, rules=Rules(positive={"stop_after"}))
+OPTIONS = Options(TrainOptions, prog="ddcl-vq train", description=HELP, rules=Rules(positive={"stop_after"}),
+                  intermixed=True)
 
 
 @entry_point("ddcl-vq train")
@@ -38,9 +45,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from .config import dump_config, load_config
 
-    cfg = load_config(opts.config, opts.overrides)
+    # a run directory's own config.yaml (next to its checkpoints) is read as evaluate reads it:
+    # keys of older versions migrated, so that an old run continues as it was trained
+    in_run_dir = (Path(opts.config).parent / "checkpoints").is_dir()
+    cfg = load_config(opts.config, opts.overrides, migrate=in_run_dir)
     if opts.print_config:
         print(dump_config(cfg), end="")
+        return 0
+    if opts.check_data:
+        from .data import UnreadableImage, check_data
+        report, bad = check_data(cfg.data, cfg.run.seed)
+        print("\n".join(report))
+        for path, reason in bad:
+            print(f"unreadable: {path} ({reason})")
+        if bad:
+            raise UnreadableImage(f"{len(bad)} image(s) cannot be read (listed above); replace or remove them")
+        print("every image can be read")
         return 0
     from .loop import teardown_distributed, train
     train(cfg, quiet=opts.quiet, stop_after=opts.stop_after)

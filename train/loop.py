@@ -20,7 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,12 @@ from ddcl_vq.distributed import replicas_identical
 from ddcl_vq.models import VQVAE, VQVAEOutput
 
 from .builders import build_model, build_optimizer, lr_lambda
-from .checkpoint import latest_checkpoint, prune_periodic, save_checkpoint
+from .checkpoint import latest_checkpoint, load_into, prune_periodic, save_checkpoint
 from .config import Config, dump_config
 from .data import EpochBatches, build_dataset, image_channels
+from .errors import UserError, one_line
+from .rundir import RunLock, check_resume, finished_summary, note, saved_config
+from .schema import ConfigError
 from .testset import reconstruction_pass
 
 
@@ -43,7 +46,8 @@ def setup_distributed(device_pref: str) -> Dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
     if device_pref == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use train.device=auto or cpu")
+        raise ConfigError("config key 'train.device': 'cuda' asked, but no CUDA device is available here; use "
+                          "train.device=auto or cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -90,30 +94,39 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 class Checkpoints:
-    """RUN_DIR/checkpoints: resume from the newest readable one; save last.pt (and a periodic
-    step_XXXXXXX.pt, the newest few kept) atomically, on rank 0, after checking that every
-    process holds the same model."""
+    """RUN_DIR/checkpoints: find the newest readable one, check that it was trained with this
+    config (only what :data:`~ddcl_vq.train.rundir.RESUMABLE` names may change) and resume from it;
+    save last.pt (and a periodic step_XXXXXXX.pt, the newest few kept) atomically, on rank 0,
+    after checking that every process holds the same model."""
 
-    def __init__(self, run_dir: Path, model: VQVAE, optimizer, scheduler, cfg: Config, device: torch.device,
-                 world: int, is_main: bool):
-        self.dir = run_dir / "checkpoints"
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+    def __init__(self, run_dir: Path, cfg: Config, device: torch.device, world: int, is_main: bool):
+        self.run_dir, self.dir = run_dir, run_dir / "checkpoints"
         self.cfg, self.device, self.world, self.is_main = cfg, device, world, is_main
+        self.model = self.optimizer = self.scheduler = None
+        self.found = latest_checkpoint(self.dir, map_location=device) if self.dir.is_dir() else None
+        self.step = int(self.found[0]["step"]) if self.found else 0
 
-    def resume(self, announce: bool) -> int:
-        """Load the newest checkpoint (model, optimizer, lr schedule, RNG); -> its step (0 if none)."""
-        found = latest_checkpoint(self.dir, map_location=self.device) if self.dir.exists() else None
-        if found is None:
+    def check_config(self) -> List[str]:
+        """RunDirError when the newest checkpoint was trained with another config; -> notes."""
+        if self.found is None:
+            return []
+        saved = saved_config(self.found[0], self.run_dir)
+        return [] if saved is None else check_resume(saved, self.cfg, self.step, self.run_dir)
+
+    def resume(self, model: VQVAE, optimizer, scheduler, announce: bool) -> int:
+        """Load the newest checkpoint (model, optimizer, lr schedule, RNG) into these; -> its step (0 if none)."""
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if self.found is None:
             return 0
-        state, path = found
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        state, path = self.found
+        load_into(model, state["model"], path, "model")
+        load_into(optimizer, state["optimizer"], path, "optimizer")
+        load_into(scheduler, state["scheduler"], path, "learning-rate schedule")
         _set_rng_state(state["rng"], self.device)
-        step = int(state["step"])
+        self.found = None  # let the loaded copy go
         if announce:
-            print(f"resuming {self.dir.parent} from {path.name} at step {step}", file=sys.stderr)
-        return step
+            print(f"resuming {self.run_dir} from {path.name} at step {self.step}", file=sys.stderr)
+        return self.step
 
     def save(self, step: int, periodic: bool) -> None:
         if self.world > 1 and not replicas_identical(self.model):
@@ -146,7 +159,8 @@ class RunLog:
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=step if step else None)
-            self.metrics = open(run_dir / "metrics.jsonl", "a")
+            # a fresh start (no checkpoint): lines left by an attempt that saved none describe nothing
+            self.metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
             if not quiet:
                 from tqdm import tqdm
                 self.progress = tqdm(total=self.t.steps, initial=step, desc=cfg.run.name, unit="step",
@@ -230,9 +244,14 @@ def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.dev
 def _mixed_precision(amp: str, device: torch.device) -> tuple[Callable, torch.amp.GradScaler]:
     amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     if amp_dtype is torch.float16 and device.type != "cuda":
-        raise RuntimeError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or none on CPU")
+        raise ConfigError("config key 'train.amp': fp16 needs a CUDA device, this run is on the CPU; use "
+                          "train.amp=bf16 or none")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
     return autocast, torch.amp.GradScaler("cuda", enabled=amp_dtype is torch.float16)
+
+
+class EndOfRunEvaluationFailed(UserError, RuntimeError):
+    """Training finished and was saved, but the end-of-run evaluation failed."""
 
 
 def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) -> Dict:
@@ -240,23 +259,84 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
 
     ``stop_after``: leave after this many steps in this session, with a checkpoint, as if the
     job were pre-empted (time-sliced clusters); running again resumes where it stopped.
+
+    The run directory is locked while training (a second training there is refused); a run
+    resumes only with the config it was trained with (RESUMABLE keys aside); a finished run with
+    its summary is left as it is; when the end-of-run evaluation fails, the finished training is
+    kept and running the same command again only evaluates.
     """
     env = setup_distributed(cfg.train.device)
+    lock = RunLock(Path(cfg.run.dir)).acquire() if env["rank"] == 0 else None
+    try:
+        return _train(cfg, env, quiet, stop_after)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Dict:
     world, device, is_main = env["world"], env["device"], env["rank"] == 0
     t = cfg.train
     run_dir = Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
 
+    checkpoints = Checkpoints(run_dir, cfg, device, world, is_main)
+    notes = checkpoints.check_config()  # before anything is built: a run is resumed only as itself
+    if checkpoints.found is not None and checkpoints.step >= t.steps:
+        done = finished_summary(run_dir, checkpoints.step, cfg)
+        if done is not None:
+            if is_main and not quiet:
+                print(f"{run_dir} is finished ({checkpoints.step} of train.steps={t.steps} steps, summary.json "
+                      f"written); nothing to do. To train longer, raise train.steps; for a new run, give another "
+                      "run.dir", file=sys.stderr)
+            return done
+
     train_set = build_dataset(cfg.data, "train", cfg.run.seed)
+    test_set = build_dataset(cfg.data, "test", cfg.run.seed)
     model = build_model(cfg, image_channels(cfg.data)).to(device)
     optimizer = build_optimizer(model, t, cfg.quantizer.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
-    checkpoints = Checkpoints(run_dir, model, optimizer, scheduler, cfg, device, world, is_main)
-    step = checkpoints.resume(announce=is_main and not quiet)  # the quantizer's schedule comes with the model
+    # the quantizer's state (its temperature schedule included) comes with the model
+    step = checkpoints.resume(model, optimizer, scheduler, announce=is_main and not quiet)
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        for text in notes:
+            note(text)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
+    t_start = time.time()
+    if step < t.steps:
+        step = _steps(cfg, env, model, optimizer, scheduler, checkpoints, train_set, test_set, step, quiet,
+                      stop_after)
+    train_seconds = time.time() - t_start
+
+    summary = {"run": str(run_dir), "step": step, "train_seconds": round(train_seconds, 1),
+               "eval_images": t.eval_images}
+    if t.eval_images > 0 and step >= t.steps:
+        try:
+            summary.update(end_of_run_evaluation(model, test_set, cfg, device))
+        except Exception as err:
+            if is_main:
+                summary["evaluation_error"] = f"{type(err).__name__}: {one_line(err)}"
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            kept = (f"training finished and was saved ({step} steps, {run_dir / 'checkpoints' / 'last.pt'}); the "
+                    f"end-of-run evaluation failed")
+            again = "Fix that and run the same command again: it evaluates without training again"
+            if isinstance(err, UserError):
+                raise EndOfRunEvaluationFailed(f"{kept}: {err}. {again}") from err
+            print(f"{kept}. {again}", file=sys.stderr)
+            raise
+    if is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if not quiet:
+            print(format_summary(summary, run_dir))
+    return summary
+
+
+def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoints: Checkpoints, train_set, test_set,
+           step: int, quiet: bool, stop_after: Optional[int]) -> int:
+    """The training steps of this session, from ``step``; -> the step reached."""
+    world, device, is_main = env["world"], env["device"], env["rank"] == 0
+    t = cfg.train
     ddp_model = model
     if world > 1:
         # broadcast_buffers=False: quantizer statistics are all-reduced by the quantizers
@@ -267,51 +347,43 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.data.num_workers,
                         pin_memory=device.type == "cuda")
     autocast, scaler = _mixed_precision(t.amp, device)
-    test_set = build_dataset(cfg.data, "test", cfg.run.seed)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
     log = RunLog(cfg, model, preview, step, device, is_main, quiet)
 
     first_step = step
     ddp_model.train()
-    for images, _ in loader:
-        if step >= t.steps:
-            break
-        if stop_after is not None and step - first_step >= stop_after:
-            checkpoints.save(step, periodic=False)
-            break
-        x = images.to(device, non_blocking=True)
-        with autocast():
-            out = ddp_model(x)
-        recon_loss = F.mse_loss(out.reconstruction.float(), x)
-        loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        if t.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
-        step += 1
+    try:
+        for images, _ in loader:
+            if step >= t.steps:
+                break
+            if stop_after is not None and step - first_step >= stop_after:
+                checkpoints.save(step, periodic=False)
+                break
+            x = images.to(device, non_blocking=True)
+            with autocast():
+                out = ddp_model(x)
+            recon_loss = F.mse_loss(out.reconstruction.float(), x)
+            loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if t.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
+            step += 1
 
-        log.after_step(step, loss, recon_loss, out, optimizer)
-        if _due(step, t.checkpoint_every, t.steps):
-            checkpoints.save(step, periodic=step % t.checkpoint_every == 0)
-        log.advance()
-    log.close()
-    train_seconds = time.time() - log.t_start
-
-    summary = {"run": str(run_dir), "step": step, "train_seconds": round(train_seconds, 1)}
-    if t.eval_images > 0 and step >= t.steps:
-        summary.update(end_of_run_evaluation(model, test_set, cfg, device))
-    if is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if not quiet:
-            print(format_summary(summary, run_dir))
-    return summary
+            log.after_step(step, loss, recon_loss, out, optimizer)
+            if _due(step, t.checkpoint_every, t.steps):
+                checkpoints.save(step, periodic=step % t.checkpoint_every == 0)
+            log.advance()
+    finally:
+        log.close()
+    return step
 
 
 def format_summary(summary: Dict, run_dir: Path) -> str:
