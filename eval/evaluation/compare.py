@@ -1,7 +1,8 @@
 """``ddcl-vq compare RUN_DIR ... --out DIR``: one table and a few plots over several runs.
 
-Every run is evaluated first when RUN_DIR/eval.json is missing, older than the checkpoint,
-or was made on another split / number of images than asked for. Writes into DIR:
+Every run is evaluated first unless RUN_DIR/eval.json was made exactly as asked: from the run's
+newest checkpoint (same step and file, not older than it), on the same split and number of
+images, without config overrides. Writes into DIR:
 
   table.md  table.csv  table.json       one row per run (columns defined in COLUMN_DEFINITIONS)
   usage_histograms.png                  sorted per-code usage counts, log scale, one panel per run
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.rundir import writable_dir
 from ddcl_vq.train.schema import Options, Rules, option
 
 from .evaluate import EvaluateError, evaluate_run, load_run
@@ -61,18 +63,32 @@ ms/step         = milliseconds of wall-clock time per training step, from metric
 
 # --------------------------------------------------------------------------- evaluation freshness
 
-def needs_eval(run_dir: Path, split: str, max_images: int) -> bool:
+def needs_eval(run_dir: Path, split: str, max_images: int, overrides: Sequence[str] = ()) -> bool:
+    """True unless RUN_DIR/eval.json was computed exactly as asked: the newest checkpoint (same step,
+    same file, eval.json not older than it), ``split``, ``max_images`` and ``overrides``."""
+    from ddcl_vq.train.checkpoint import CheckpointError, latest_checkpoint
+
     ev_path = run_dir / "eval.json"
-    ckpt = run_dir / "checkpoints" / "last.pt"
     if not ev_path.is_file():
-        return True
-    if ckpt.is_file() and ev_path.stat().st_mtime < ckpt.stat().st_mtime:
         return True
     try:
         ev = json.loads(ev_path.read_text())
     except (OSError, json.JSONDecodeError):
         return True
-    return ev.get("split") != split or ev.get("max_images") != max_images
+    if not isinstance(ev, dict) or "overrides" not in ev:  # written before evaluations recorded them
+        return True
+    asked = {"split": split, "max_images": max_images, "overrides": list(overrides)}
+    if any(ev.get(key) != value for key, value in asked.items()):
+        return True
+    try:
+        found = latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
+    except CheckpointError:
+        return True  # evaluate_run reports it
+    if found is None:
+        return True
+    state, ckpt = found
+    return (ev.get("step") != int(state["step"]) or Path(str(ev.get("checkpoint"))).name != ckpt.name
+            or ev_path.stat().st_mtime < ckpt.stat().st_mtime)
 
 
 def ensure_eval(run_dir: Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
@@ -388,16 +404,31 @@ def write_plots(out: Path, run_dirs: Sequence[Path], names: Sequence[str], evals
     plot_reconstructions(run_dirs, names, out / "reconstructions.png", split, grid_images)
 
 
+class CompareWriteError(EvaluateError):
+    """The comparison was computed but its files could not be written; ``rows`` holds it."""
+
+    def __init__(self, rows: List[Dict], message: str):
+        super().__init__(message)
+        self.rows = rows
+
+
 def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
             batch_size: int = 256, names: Optional[Sequence[str]] = None, grid_images: int = 8,
             progress: bool = False, command: Optional[str] = None) -> List[Dict]:
-    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``."""
+    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``
+    (checked writable before any evaluation; CompareWriteError, holding the rows, when writing fails)."""
     run_dirs = [Path(d) for d in run_dirs]
+    for d in run_dirs:
+        if not d.is_dir():
+            raise EvaluateError(f"run directory {str(d)!r} does not exist")
+    out = writable_dir(Path(out_dir), "--out")  # before the evaluations
     rows, evals = evaluate_runs(run_dirs, split, max_images, batch_size, names, progress)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_tables(out, rows, evals, split, max_images, command)
-    write_plots(out, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
+    try:
+        write_tables(out, rows, evals, split, max_images, command)
+        write_plots(out, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
+    except OSError as err:
+        raise CompareWriteError(rows, f"could not write the comparison into {str(out)!r} "
+                                      f"({type(err).__name__}: {err.strerror or err})") from None
     return rows
 
 
@@ -435,8 +466,12 @@ OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__,
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     cmd = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
-    rows = compare(opts.run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
-                   grid_images=opts.grid_images, progress=not opts.quiet, command=cmd)
+    try:
+        rows = compare(opts.run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
+                       grid_images=opts.grid_images, progress=not opts.quiet, command=cmd)
+    except CompareWriteError as err:
+        print(markdown_table(err.rows))  # the results, even when they cannot be saved
+        raise
     if not opts.quiet:
         print(markdown_table(rows))
         print(f"\nwrote table.md, table.csv, table.json and 4 plots to {opts.out}")

@@ -48,7 +48,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     written before the schedule keys moved to ``quantizer.*`` is read with them moved.
     """
     from ddcl_vq.train.builders import build_model
-    from ddcl_vq.train.checkpoint import latest_checkpoint
+    from ddcl_vq.train.checkpoint import latest_checkpoint, load_into
     from ddcl_vq.train.config import load_config
     from ddcl_vq.train.data import image_channels
 
@@ -58,6 +58,8 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     if not (run_dir / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
     cfg = load_config(run_dir / "config.yaml", overrides, migrate=True)
+    if overrides:
+        check_overrides(run_dir, load_config(run_dir / "config.yaml", migrate=True), cfg)
     found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu") if (run_dir / "checkpoints").is_dir() else None
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
@@ -66,9 +68,31 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ρ ≤ 1 training warnings are irrelevant here
         model = build_model(cfg, image_channels(cfg.data))
-    model.load_state_dict(state["model"])
+    load_into(model, state["model"], path)
     step = int(state["step"])
     return cfg, model.to(device).eval(), step, path
+
+
+#: what evaluate's overrides may change: the data, where it runs, the (same-result) implementation;
+#: the model and its quantizer are as the checkpoint holds them
+def _fixed_by_checkpoint(key: str) -> bool:
+    return key.startswith(("model.", "quantizer.")) and key != "quantizer.implementation"
+
+
+def check_overrides(run_dir: Path, trained, asked) -> None:
+    """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*):
+    the checkpoint decides those (the temperature included: the run's schedule is saved in it), so
+    such an override would be ignored or fail to load."""
+    from ddcl_vq.train.config import differences
+
+    fixed = [(k, a, b) for k, a, b in differences(trained, asked) if _fixed_by_checkpoint(k)]
+    if fixed:
+        changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
+        why = (" — the temperature comes from the schedule saved in the checkpoint"
+               if any(k.startswith("quantizer.temperature") for k, _, _ in fixed) else "")
+        raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
+                            f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
+                            "quantizer.implementation; to measure other settings, train a run with them")
 
 
 def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
@@ -86,10 +110,13 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     from ddcl_vq.train.testset import reconstruction_pass
 
     from ddcl_vq.distributed import rank
+    from ddcl_vq.train.rundir import writable_dir
 
     run_dir = Path(run_dir)
     # config first (clear errors before any process group starts)
     cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
+    if write and rank() == 0:
+        writable_dir(run_dir, "run directory")  # before the expensive pass
     device = setup_distributed(cfg.train.device)["device"]
     model = model.to(device)
     dataset = build_dataset(cfg.data, split, cfg.run.seed)
@@ -118,6 +145,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "split": split,
         "num_images": result["num_images"],
         "max_images": max_images,
+        "overrides": list(overrides),  # with step, checkpoint, split, max_images: what compare reuses it for
         "latent_positions_per_image": latent_positions,
         "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
         "recon": {"hard": hard, "soft": soft, "soft_minus_hard": _gap(soft, hard)},
@@ -137,10 +165,21 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "definitions": definitions(),
     }
     if write and rank() == 0:
-        tmp = run_dir / ".eval.json.tmp"
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        tmp.replace(run_dir / "eval.json")
+        write_eval(run_dir, out)
     return out
+
+
+def write_eval(run_dir: Path, ev: Dict) -> Path:
+    """RUN_DIR/eval.json, atomically (temporary file, rename)."""
+    path = Path(run_dir) / "eval.json"
+    tmp = path.with_name(".eval.json.tmp")
+    try:
+        tmp.write_text(json.dumps(ev, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise EvaluateError(f"could not write {str(path)!r} ({type(err).__name__}: {err.strerror or err})") from None
+    return path
 
 
 def _fmt(v, spec: str) -> str:
@@ -205,12 +244,23 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ddcl_vq.distributed import rank
 
+    from ddcl_vq.train.rundir import writable_dir
+
     cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
+    if rank() == 0 and Path(opts.run_dir).is_dir():
+        writable_dir(Path(opts.run_dir), "run directory")  # before the expensive pass
     ev = evaluate_run(opts.run_dir, opts.split, opts.max_images, opts.batch_size, opts.overrides,
-                      progress=not opts.quiet, command=cmd)
-    if rank() == 0 and not opts.quiet:
+                      progress=not opts.quiet, command=cmd, write=False)
+    if rank() != 0:
+        return 0
+    try:
+        path = write_eval(Path(opts.run_dir), ev)
+    except EvaluateError:
+        print(format_report(ev))  # the results, even when they cannot be saved
+        raise
+    if not opts.quiet:
         print(format_report(ev))
-        print(f"\nwrote {Path(opts.run_dir) / 'eval.json'}")
+        print(f"\nwrote {path}")
     return 0
 
 
