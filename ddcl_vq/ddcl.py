@@ -53,6 +53,7 @@ MODES = ("soft", "straight_through", "soft_straight_through")
 CODEBOOK_UPDATES = ("mstep", "gradient")
 TEMPERATURE_REFERENCES = ("data", "dim")
 ENCODER_GRADIENTS = ("identity", "rotation")
+REVIVE_CRITERIA = ("usage", "mass")
 INITS = ("uniform", "normal", "kmeans")
 IMPLEMENTATIONS = ("auto",) + _PATHS
 SCHEDULES = ("constant", "cosine", "exponential")
@@ -169,6 +170,7 @@ class DDCLQuantizer(Quantizer):
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
+                 revive_criterion: str = "mass",
                  encoder_gradient: str = "identity",
                  codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
@@ -185,6 +187,8 @@ class DDCLQuantizer(Quantizer):
                              f"got {temperature_reference!r}")
         if codebook_update not in CODEBOOK_UPDATES:
             raise ValueError(f"expected codebook_update in {CODEBOOK_UPDATES}, got {codebook_update!r}")
+        if revive_criterion not in REVIVE_CRITERIA:
+            raise ValueError(f"expected revive_criterion in {REVIVE_CRITERIA}, got {revive_criterion!r}")
         if encoder_gradient not in ENCODER_GRADIENTS:
             raise ValueError(f"expected encoder_gradient in {ENCODER_GRADIENTS}, got {encoder_gradient!r}")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
@@ -209,6 +213,7 @@ class DDCLQuantizer(Quantizer):
         self.codebook_update = codebook_update
         self.decay = float(decay)
         self.revive_threshold = float(revive_threshold)
+        self.revive_criterion = revive_criterion
         self.encoder_gradient = encoder_gradient
         self.set_schedule(temperature, temperature_final, temperature_schedule, schedule_steps)
         self._last_temperature: Optional[float] = None
@@ -222,6 +227,7 @@ class DDCLQuantizer(Quantizer):
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.long))
         # M-step / revival state: EMA of Σ_i q_ik and Σ_i q_ik z_i, the distance scale, revivals
         self.register_buffer("cluster_mass", torch.ones(num_codes))
+        self.register_buffer("cluster_usage", torch.ones(num_codes))   # EMA of hard counts
         self.register_buffer("cluster_sums", self.weight.detach().clone())
         self.register_buffer("distance_scale", torch.zeros(()))  # 0: not measured yet
         # the running mean behind distance_scale: EMA (0.99) of held-out batches' mean nearest
@@ -315,7 +321,8 @@ class DDCLQuantizer(Quantizer):
                                   f"{state_dict[key]!r} ({err})")
         # a state_dict from before the M-step existed (codebook trained by gradient): keep the
         # constructor's neutral values for the M-step buffers it lacks
-        legacy = [prefix + name for name in ("cluster_mass", "cluster_sums", "distance_scale", "distance_ema",
+        legacy = [prefix + name for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
+                                             "distance_ema",
                                              "distance_batches", "revived")]
         if all(key in missing_keys for key in legacy):
             if self.codebook_update != "gradient" or self.temperature_reference != "dim":
@@ -374,6 +381,7 @@ class DDCLQuantizer(Quantizer):
         self.distance_scale.fill_(mean_nearest if mean_nearest > 1e-6 * variance else max(0.01 * variance, 1e-12))
         self._fitted_batch = True
         self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
+        self.cluster_usage.fill_(x.shape[0] * world_size() / self.num_codes)
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
 
     @torch.no_grad()
@@ -382,10 +390,12 @@ class DDCLQuantizer(Quantizer):
         of the soft sums, and the new codebook); revival of starved codes. All-reduced: identical
         on every process."""
         g = self.decay
-        totals = torch.cat([stats.mass, stats.nearest.sum()[None],
+        k = self.num_codes
+        hits = torch.bincount(stats.indices, minlength=k).to(stats.mass.dtype)
+        totals = torch.cat([stats.mass, hits, stats.nearest.sum()[None],
                             torch.tensor([float(x.shape[0])], device=x.device)]).to(torch.float64)
         all_reduce_sum_(totals)
-        mass, nearest_sum, count = totals[:-2], totals[-2], totals[-1]
+        mass, hits, nearest_sum, count = totals[:k], totals[k:2 * k], totals[-2], totals[-1]
         if getattr(self, "_fitted_batch", False):
             self._fitted_batch = False   # the codebook was fitted to this batch: not a fair sample
         else:
@@ -394,6 +404,7 @@ class DDCLQuantizer(Quantizer):
             correction = 1 - 0.99 ** int(self.distance_batches)
             self.distance_scale.fill_(max(float(self.distance_ema) / correction, 1e-12))
         self.cluster_mass.mul_(g).add_(mass.to(self.cluster_mass.dtype), alpha=1 - g)
+        self.cluster_usage.mul_(g).add_(hits.to(self.cluster_usage.dtype), alpha=1 - g)
         if self.codebook_update == "mstep":
             sums = stats.sums.to(self.cluster_sums.dtype)
             all_reduce_sum_(sums)
@@ -404,10 +415,11 @@ class DDCLQuantizer(Quantizer):
 
     @torch.no_grad()
     def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: float) -> None:
-        """Re-seed codes whose EMA soft mass is below the threshold on batch vectors drawn with
-        probability ∝ their distance to the nearest code (where the distortion is)."""
+        """Re-seed codes whose EMA hard usage (or soft mass) is below the threshold on batch vectors
+        drawn with probability ∝ their distance to the nearest code (where the distortion is)."""
         threshold = self.revive_threshold * batch_vectors / self.num_codes
-        starved = self.cluster_mass < threshold  # identical on every process (all-reduced mass)
+        measure = self.cluster_usage if self.revive_criterion == "usage" else self.cluster_mass
+        starved = measure < threshold  # identical on every process (all-reduced statistics)
         count = int(starved.sum())
         if count == 0:
             return
@@ -423,6 +435,7 @@ class DDCLQuantizer(Quantizer):
         broadcast_(seeds)
         self.weight.data[starved] = seeds
         self.cluster_mass[starved] = threshold
+        self.cluster_usage[starved] = threshold
         self.cluster_sums[starved] = seeds * threshold
         self.revived += count
 
@@ -504,6 +517,7 @@ class DDCLQuantizer(Quantizer):
         return (super().extra_repr() + f", mode={self.mode!r}, {schedule}, "
                 f"temperature_reference={self.temperature_reference!r}, codebook_update={self.codebook_update!r}, "
                 f"decay={self.decay:g}, revive_threshold={self.revive_threshold:g}, "
+                f"revive_criterion={self.revive_criterion!r}, "
                 f"encoder_gradient={self.encoder_gradient!r}, "
                 f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

@@ -57,7 +57,8 @@ def _quantizer(q: QuantizerConfig, dim: int, steps: Optional[int]) -> Quantizer:
                              temperature_schedule=q.temperature_schedule, schedule_steps=steps, mode=q.mode,
                              beta=q.beta, codebook_init=q.codebook_init, implementation=q.implementation,
                              temperature_reference=q.temperature_reference, codebook_update=q.codebook_update,
-                             revive_threshold=q.revive_threshold, encoder_gradient=q.encoder_gradient,
+                             revive_threshold=q.revive_threshold, revive_criterion=q.revive_criterion,
+                             encoder_gradient=q.encoder_gradient,
                              **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "hard":
         return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)

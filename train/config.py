@@ -61,7 +61,8 @@ class QuantizerConfig:
     temperature_schedule: str = "constant"   # constant | cosine | exponential (anneal over train.steps)
     temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
     codebook_update: str = "mstep"           # mstep (EMA of DDCL's soft M-step) | gradient (optimizer at rho*lr)
-    revive_threshold: float = 0.03           # re-seed codes whose EMA soft mass < this x N/K (0 = off)
+    revive_threshold: float = 0.03           # re-seed codes whose EMA usage < this x N/K (0 = off)
+    revive_criterion: str = "mass"           # mass (EMA of soft mass) | usage (EMA of hard counts)
     encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
     codebook_init: str = "kmeans"
     implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
@@ -122,6 +123,7 @@ CHOICES = {
     "quantizer.temperature_reference": ("data", "dim"),
     "quantizer.codebook_update": ("mstep", "gradient"),
     "quantizer.encoder_gradient": ("identity", "rotation"),
+    "quantizer.revive_criterion": ("usage", "mass"),
     "quantizer.implementation": ("auto", "reference", "fused", "chunked"),
     "quantizer.distance": ("euclidean", "cosine"),
     "train.lr_schedule": ("constant", "cosine"),
@@ -175,6 +177,8 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl" and "codebook_update" not in quantizer:
         for name, value in LEGACY_DDCL.items():  # a run from before the M-step: what it was trained with
             quantizer.setdefault(name, value)
+    if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
+        quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
     return raw
 
 
