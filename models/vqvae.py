@@ -3,15 +3,31 @@
 Encoder: (B, C, H, W) -> (B, D, H/f, W/f), f = 2**num_downsamples.
 Decoder: (B, D, H/f, W/f) -> (B, C, H, W).
 VQVAE:   encoder -> any ddcl_vq quantizer -> decoder.
+
+Sharing a model: a VQVAE built with ``VQVAE.from_config`` (every model ``ddcl-vq train`` builds)
+saves itself the way the ecosystem shares models, ``save_pretrained(DIR)`` -> ``config.json``
+(constructor arguments) + ``model.safetensors`` (weights and quantizer state, no pickle), and
+``VQVAE.from_pretrained(DIR or hub id)`` rebuilds it (huggingface_hub's PyTorchModelHubMixin:
+``push_to_hub`` works too where there is network).
 """
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 import torch
+from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from ddcl_vq import Quantizer, QuantizerOutput
+from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, QuantizerOutput, VQPQuantizer
+
+# config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
+QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer}
+CONFIG_FORMAT = "ddcl-vq/vqvae"
+WEIGHTS_NAME = "model.safetensors"
 
 
 class ResidualBlock(nn.Module):
@@ -71,14 +87,102 @@ class VQVAEOutput:
     quantizer: QuantizerOutput
 
 
-class VQVAE(nn.Module):
-    """encoder -> quantizer -> decoder; any ``ddcl_vq.Quantizer`` (channel-first) plugs in."""
+def build_quantizer_from_config(quantizer_type: str, kwargs: Dict[str, Any]) -> Quantizer:
+    """``QUANTIZER_TYPES[quantizer_type](**kwargs)`` (kwargs hold ``num_codes`` and ``dim``)."""
+    if quantizer_type not in QUANTIZER_TYPES:
+        raise ValueError(f"expected quantizer_type in {', '.join(QUANTIZER_TYPES)}, got {quantizer_type!r}")
+    return QUANTIZER_TYPES[quantizer_type](**kwargs)
+
+
+class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-vae", "image-tokenizer", "ddcl"]):
+    """encoder -> quantizer -> decoder; any ``ddcl_vq.Quantizer`` (channel-first) plugs in.
+
+    ``VQVAE.from_config(config)`` builds one from plain constructor arguments and remembers them
+    (``model.config``), so it can ``save_pretrained`` / ``push_to_hub`` and be loaded with
+    ``VQVAE.from_pretrained``. The config::
+
+        {"format": "ddcl-vq/vqvae",
+         "encoder_kwargs": {...Encoder arguments...}, "decoder_kwargs": {...Decoder arguments...},
+         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+
+    ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ and schedule step, for reading:
+    the state itself is in the weights file) and keeps any other keys of ``model.config``
+    (``ddcl-vq export`` records the run, step and data there).
+    """
 
     def __init__(self, encoder: nn.Module, quantizer: Quantizer, decoder: nn.Module):
         super().__init__()
         if getattr(quantizer, "channel_dim", 1) != 1:
             raise ValueError(f"expected a channel-first quantizer (channel_dim=1), got channel_dim={quantizer.channel_dim}")
         self.encoder, self.quantizer, self.decoder = encoder, quantizer, decoder
+        self.config: Optional[Dict[str, Any]] = None
+
+    # -- sharing -------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "VQVAE":
+        """Build (untrained) from a config (see the class docstring); modules are built in the order
+        encoder, quantizer, decoder, so parameter initialisation follows the seed as in training."""
+        missing = [k for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
+                   if k not in config]
+        if missing:
+            raise ValueError(f"expected a VQVAE config with {', '.join(missing)}; got keys {sorted(config)}")
+        encoder = Encoder(**config["encoder_kwargs"])
+        quantizer = build_quantizer_from_config(config["quantizer_type"], dict(config["quantizer_kwargs"]))
+        model = cls(encoder, quantizer, Decoder(**config["decoder_kwargs"]))
+        model.config = copy.deepcopy(dict(config))
+        model.config.setdefault("format", CONFIG_FORMAT)
+        return model
+
+    def _pretrained_config(self) -> Dict[str, Any]:
+        if self.config is None:
+            raise ValueError("expected a VQVAE built with VQVAE.from_config (or loaded by from_pretrained or "
+                             "ddcl-vq); one built from modules has no constructor arguments to save")
+        import ddcl_vq
+
+        config = copy.deepcopy(self.config)
+        config["quantizer_state"] = {k: v for k, v in self.quantizer.describe().items()
+                                     if isinstance(v, (int, float, str, bool)) or v is None}
+        if hasattr(self.quantizer, "schedule_step"):
+            config["quantizer_state"]["schedule_step"] = int(self.quantizer.schedule_step)
+        config["ddcl_vq_version"] = ddcl_vq.__version__
+        return config
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """config.json + model.safetensors (tensors only: the quantizer's buffers and DDCL's float64
+        ``schedule`` entry included)."""
+        import json
+
+        from safetensors.torch import save_model
+
+        config = self._pretrained_config()
+        save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
+        (Path(save_directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir, force_download: bool,
+                         local_files_only: bool, token, config: Optional[Dict[str, Any]] = None,
+                         map_location: str = "cpu", strict: bool = True, **model_kwargs) -> "VQVAE":
+        """Rebuild from config.json, load model.safetensors (strict), eval mode."""
+        from safetensors.torch import load_model
+
+        if config is None:
+            raise ValueError(f"expected a config.json in {model_id!r} (written by VQVAE.save_pretrained or "
+                             "ddcl-vq export)")
+        if model_kwargs:
+            raise TypeError(f"unexpected arguments for VQVAE.from_pretrained: {', '.join(sorted(model_kwargs))}")
+        if os.path.isdir(model_id):
+            weights = os.path.join(model_id, WEIGHTS_NAME)
+            if not os.path.isfile(weights):
+                raise FileNotFoundError(f"expected {weights!r} (written by VQVAE.save_pretrained or ddcl-vq export)")
+        else:
+            from huggingface_hub import hf_hub_download
+            weights = hf_hub_download(repo_id=model_id, filename=WEIGHTS_NAME, revision=revision,
+                                      cache_dir=cache_dir, force_download=force_download, token=token,
+                                      local_files_only=local_files_only)
+        config = {k: v for k, v in config.items() if k not in ("quantizer_state", "ddcl_vq_version")}
+        model = cls.from_config(config)
+        load_model(model, weights, strict=strict, device=str(map_location))
+        return model.eval()
 
     def forward(self, x: Tensor) -> VQVAEOutput:
         q = self.quantizer(self.encoder(x))

@@ -1,6 +1,7 @@
 """Config -> model, quantizer, optimizer, learning-rate schedule (the temperature schedule is the quantizer's own)."""
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import warnings
@@ -9,8 +10,9 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, VQPQuantizer
+from ddcl_vq import Quantizer
 from ddcl_vq.models import VQVAE, Decoder, Encoder
+from ddcl_vq.models.vqvae import CONFIG_FORMAT, build_quantizer_from_config
 
 from .config import Config, QuantizerConfig, TrainConfig
 from .errors import one_line
@@ -27,7 +29,7 @@ def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -
     # the peer checks its keyword arguments with TypeError/assert; ours say ValueError
     refused = (ValueError, TypeError, AssertionError) if q.type == "vqp" else (ValueError,)
     try:
-        return _quantizer(q, dim, steps)
+        return build_quantizer_from_config(q.type, quantizer_kwargs(q, dim, steps))
     except refused as err:
         what = "quantizer.vqp (passed to vector_quantize_pytorch.VectorQuantize)" if q.type == "vqp" else "quantizer.*"
         raise ConfigError(f"config keys {what}: the {q.type} quantizer refuses these settings: "
@@ -51,33 +53,48 @@ def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
                               f"'quantizer.vqp.{nearest(key, valid)}'?")
 
 
-def _quantizer(q: QuantizerConfig, dim: int, steps: Optional[int]) -> Quantizer:
+def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
+    """The configured quantizer's constructor arguments (``num_codes`` and ``dim`` included), plain
+    values only: ``build_quantizer`` builds from them and ``VQVAE.save_pretrained`` writes them to
+    config.json. ``steps`` (train.steps) is the length of a DDCL temperature schedule."""
     if q.type == "ddcl":
-        return DDCLQuantizer(q.num_codes, dim, temperature=q.temperature, temperature_final=q.temperature_final,
-                             temperature_schedule=q.temperature_schedule, schedule_steps=steps, mode=q.mode,
-                             beta=q.beta, codebook_init=q.codebook_init, implementation=q.implementation,
-                             temperature_reference=q.temperature_reference, codebook_update=q.codebook_update,
-                             revive_threshold=q.revive_threshold, revive_criterion=q.revive_criterion,
-                             encoder_gradient=q.encoder_gradient,
-                             **({} if q.decay is None else {"decay": q.decay}))
+        return dict(num_codes=q.num_codes, dim=dim, temperature=q.temperature,
+                    temperature_final=q.temperature_final, temperature_schedule=q.temperature_schedule,
+                    schedule_steps=steps, mode=q.mode, beta=q.beta, codebook_init=q.codebook_init,
+                    implementation=q.implementation, temperature_reference=q.temperature_reference,
+                    codebook_update=q.codebook_update, revive_threshold=q.revive_threshold,
+                    revive_criterion=q.revive_criterion, encoder_gradient=q.encoder_gradient,
+                    **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "hard":
-        return HardVQ(q.num_codes, dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
+        return dict(num_codes=q.num_codes, dim=dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
     if q.type == "ema":
-        return EMAVQ(q.num_codes, dim, beta=q.beta, dead_code_threshold=q.dead_code_threshold,
-                     **({} if q.decay is None else {"decay": q.decay}))
+        return dict(num_codes=q.num_codes, dim=dim, beta=q.beta, dead_code_threshold=q.dead_code_threshold,
+                    **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "vqp":
-        return VQPQuantizer(q.num_codes, dim, **q.vqp)
+        return dict(num_codes=q.num_codes, dim=dim, **copy.deepcopy(q.vqp))
     raise ValueError(f"expected quantizer.type in ddcl, hard, ema, vqp, got {q.type!r}")
 
 
-def build_model(cfg: Config, in_channels: int) -> VQVAE:
+def model_config(cfg: Config, in_channels: int) -> Dict[str, Any]:
+    """``VQVAE.from_config``'s config for this training config (what config.json of an export holds)."""
     m = cfg.model
     common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
                   latent_dim=m.latent_dim, res_hidden=m.res_hidden)
-    # built in this order (encoder, quantizer, decoder): parameter initialisation follows the seed
-    encoder = Encoder(in_channels=in_channels, **common)
-    quantizer = build_quantizer(cfg.quantizer, m.latent_dim, cfg.train.steps)
-    return VQVAE(encoder, quantizer, Decoder(out_channels=in_channels, **common))
+    return {"format": CONFIG_FORMAT, "encoder_kwargs": dict(in_channels=in_channels, **common),
+            "decoder_kwargs": dict(out_channels=in_channels, **common), "quantizer_type": cfg.quantizer.type,
+            "quantizer_kwargs": quantizer_kwargs(cfg.quantizer, m.latent_dim, cfg.train.steps)}
+
+
+def build_model(cfg: Config, in_channels: int) -> VQVAE:
+    """``VQVAE.from_config(model_config(cfg, in_channels))``, with a refused quantizer setting as a
+    ConfigError (``build_quantizer``); the model remembers its config (``save_pretrained``)."""
+    config = model_config(cfg, in_channels)
+    # built in this order (encoder, quantizer, decoder), as from_config does: initialisation follows the seed
+    encoder = Encoder(**config["encoder_kwargs"])
+    quantizer = build_quantizer(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps)
+    model = VQVAE(encoder, quantizer, Decoder(**config["decoder_kwargs"]))
+    model.config = config
+    return model
 
 
 def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.optim.Optimizer:
