@@ -36,6 +36,7 @@ from .checkpoint import latest_checkpoint, load_into, prune_periodic, save_check
 from .config import Config, dump_config
 from .data import EpochBatches, build_dataset, image_channels
 from .errors import UserError, one_line
+from .progress import Progress
 from .rundir import RunLock, check_resume, finished_summary, note, saved_config
 from .schema import ConfigError
 from .testset import reconstruction_pass
@@ -146,8 +147,8 @@ class Checkpoints:
 class RunLog:
     """What training reports: metrics.jsonl and TensorBoard scalars every ``train.log_every`` steps,
     the windowed codebook usage every ``train.usage_window`` steps (all-reduced, so every process
-    takes part), image grids every ``train.image_every`` steps, the progress bar. Files and the
-    bar on rank 0 only."""
+    takes part), image grids every ``train.image_every`` steps, the progress (a bar on a terminal,
+    else one line every ``train.log_every`` steps). Files and progress on rank 0 only."""
 
     def __init__(self, cfg: Config, model: VQVAE, preview: torch.Tensor, step: int, device: torch.device,
                  is_main: bool, quiet: bool):
@@ -161,10 +162,9 @@ class RunLog:
             self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=step if step else None)
             # a fresh start (no checkpoint): lines left by an attempt that saved none describe nothing
             self.metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
-            if not quiet:
-                from tqdm import tqdm
-                self.progress = tqdm(total=self.t.steps, initial=step, desc=cfg.run.name, unit="step",
-                                     dynamic_ncols=True)
+            if not quiet:  # a bar on a terminal, one line per train.log_every steps in a log file
+                self.progress = Progress(self.t.steps, cfg.run.name, unit="step", initial=step,
+                                         every=self.t.log_every)
         self.t_start = time.time()
 
     def after_step(self, step: int, loss: torch.Tensor, recon_loss: torch.Tensor, out: VQVAEOutput,

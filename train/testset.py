@@ -40,11 +40,11 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
     has_soft = model.quantizer.has_soft_codes
     usage = CodebookUsage(model.quantizer.num_codes, device=device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
-    iterator = loader
-    if progress and rank() == 0:
-        from tqdm import tqdm
-        iterator = tqdm(loader, desc="evaluate", unit="batch", leave=False)
-    for x, _ in iterator:
+    bar = None
+    if progress and rank() == 0:  # a bar on a terminal, a line per 10% of the batches in a log file
+        from .progress import Progress
+        bar = Progress(len(loader), "evaluate", unit="batch", every=max(len(loader) // 10, 1), leave=False)
+    for x, _ in loader:
         x = x.to(device)
         z = model.encoder(x)
         q = model.quantizer(z)
@@ -62,6 +62,10 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, d
         sums[4] += x.shape[0]
         if on_batch is not None:
             on_batch(x, hard, soft)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     all_reduce_sum_(sums)
     model.train(was_training)
     count = float(sums[4])

@@ -1,0 +1,189 @@
+"""``ddcl-vq export RUN_DIR OUT_DIR``: a trained run -> a model folder the ecosystem can load.
+
+OUT_DIR gets ``config.json`` (the constructor arguments of encoder, quantizer and decoder, taken
+from the run's resolved config, plus the quantizer's temperature state, the run and the data),
+``model.safetensors`` (weights and every quantizer buffer; no pickle) and ``README.md`` (a model
+card). ``VQVAE.from_pretrained(OUT_DIR)`` loads it offline; ``--push-to-hub USER/NAME`` uploads it
+where there is network. Before it finishes, the command loads the folder back and checks that it
+reproduces the run's hard reconstructions and indices bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from ddcl_vq.train.errors import UserError, entry_point
+from ddcl_vq.train.schema import Options, option
+
+HELP = """\
+Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
+arguments, quantizer and its temperature state included) + model.safetensors (weights and
+quantizer buffers, no pickle) + README.md. Load it anywhere with
+
+  from ddcl_vq.models import VQVAE
+  model = VQVAE.from_pretrained("OUT_DIR")        # or a hub id after --push-to-hub
+
+The export is checked before the command returns: the loaded folder reproduces the run's hard
+reconstructions and indices bit for bit. A vqp (vector-quantize-pytorch) model needs that
+package installed where it is loaded.
+
+  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl
+  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl --push-to-hub me/fashion-ddcl-vq
+"""
+
+FILES = ("config.json", "model.safetensors", "README.md")
+
+
+class ExportError(UserError, RuntimeError):
+    """The run cannot be exported as asked (output folder in the way, upload failed, ...)."""
+
+
+@dataclass(kw_only=True)
+class ExportOptions:
+    run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
+    out_dir: str = option(help="the model folder to write", positional=True)
+    overwrite: bool = option(False, "replace the files of an earlier export in OUT_DIR")
+    push_to_hub: Optional[str] = option(None, "also upload OUT_DIR to this Hugging Face Hub repository "
+                                               "(needs network and a token: hf auth login)", metavar="USER/NAME")
+    private: bool = option(False, "with --push-to-hub: create the repository private")
+    quiet: bool = option(False, "print only errors")
+
+
+OPTIONS = Options(ExportOptions, prog="ddcl-vq export", description=HELP)
+
+
+def _check_inputs(model, cfg) -> torch.Tensor:
+    """A fixed batch to check the export on: the first test images, or seeded noise offline."""
+    from ddcl_vq.train.data import build_dataset, image_channels
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            test = build_dataset(cfg.data, "test", cfg.run.seed)
+        return torch.stack([test[i][0] for i in range(min(16, len(test)))])
+    except UserError:
+        g = torch.Generator().manual_seed(0)
+        size = cfg.data.image_size
+        return torch.rand(16, image_channels(cfg.data), size, size, generator=g)
+
+
+def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
+    q = config["quantizer_kwargs"]
+    qtype = config["quantizer_type"]
+    source = config.get("source", {})
+    data = config.get("data", {})
+    lines = ["---", "library_name: ddcl-vq", "tags:", "- vq-vae", "- image-tokenizer", "- ddcl",
+             "- pytorch_model_hub_mixin", "---", "",
+             f"# {source.get('name', out_dir.name)}: a VQ-VAE image tokenizer ({qtype} quantizer)", "",
+             f"K = {q['num_codes']} codes of dimension D = {q['dim']}; "
+             f"{data.get('channels', '?')}×{data.get('image_size', '?')}×{data.get('image_size', '?')} images "
+             f"({data.get('name', '?')}) -> {data.get('latent_size', '?')}×{data.get('latent_size', '?')} code "
+             f"indices. Trained with ddcl-vq for {source.get('step', '?')} steps.", ""]
+    if summary and "hard" in summary:
+        c = summary.get("codebook", {})
+        lines += [f"Test set ({summary.get('num_images')} images), hard codes: PSNR {summary['hard']['psnr']:.2f} dB, "
+                  f"codebook utilization {c.get('utilization', float('nan')):.1%}, "
+                  f"perplexity {c.get('perplexity', float('nan')):.1f}.", ""]
+    lines += ["```python", "import torch", "from ddcl_vq.models import VQVAE", "",
+              f'model = VQVAE.from_pretrained("{out_dir.name}")   # this folder, or its hub id',
+              "images = torch.rand(4, %s, %s, %s)                 # in [0, 1]" % (
+                  data.get("channels", 1), data.get("image_size", 32), data.get("image_size", 32)),
+              "indices = model.encode_indices(images)             # (B, h, w) code indices: what a prior learns",
+              "recon = model.decode_indices(indices)              # hard-code reconstruction",
+              "```", "",
+              "Files: `config.json` (constructor arguments; `quantizer_state` is informative, the state itself "
+              "is in the weights), `model.safetensors` (weights and quantizer buffers, no pickle)."]
+    if qtype == "vqp":
+        lines += ["", "This model's quantizer is vector-quantize-pytorch's `VectorQuantize`: loading it needs "
+                      "`pip install vector-quantize-pytorch`."]
+    return "\n".join(lines) + "\n"
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Dict:
+    """Write the export of ``run_dir`` into ``out_dir`` and check it; returns what was done."""
+    from ddcl_vq.eval.evaluation.evaluate import load_run
+    from ddcl_vq.models import VQVAE
+    from ddcl_vq.train.data import image_channels
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    cfg, model, step, ckpt = load_run(run_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{str(out_dir)!r} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
+    if out_dir.resolve() == run_dir.resolve():
+        raise ExportError("OUT_DIR must not be the run directory")
+    factor = 2 ** cfg.model.num_downsamples
+    model.config.update({
+        "source": {"name": cfg.run.name, "run": str(run_dir), "checkpoint": Path(ckpt).name, "step": step,
+                   "train_steps": cfg.train.steps},
+        "data": {"name": cfg.data.name, "image_size": cfg.data.image_size, "channels": image_channels(cfg.data),
+                 "latent_size": cfg.data.image_size // factor, "range": [0.0, 1.0]},
+    })
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    summary = None
+    if (run_dir / "summary.json").is_file():
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except ValueError:
+            summary = None
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "README.md").write_text(model_card(config, summary, out_dir))
+
+    # the check: the folder alone reproduces the run's hard reconstructions and indices
+    x = _check_inputs(model, cfg)
+    loaded = VQVAE.from_pretrained(str(out_dir))
+    same = (torch.equal(model.reconstruct(x, "hard"), loaded.reconstruct(x, "hard"))
+            and torch.equal(model.encode_indices(x), loaded.encode_indices(x)))
+    if not same:  # pragma: no cover - a bug, not a user error
+        raise RuntimeError(f"the export in {out_dir} does not reproduce the run's hard reconstructions")
+    return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
+            "quantizer_type": config["quantizer_type"], "checked_images": int(x.shape[0]),
+            "files": {name: (out_dir / name).stat().st_size for name in FILES}}
+
+
+def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
+    """Upload the exported folder to the Hugging Face Hub; -> the repository URL."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
+                          allow_patterns=list(FILES), commit_message="ddcl-vq export")
+        return str(url)
+    except Exception as err:  # network, auth, name: all things the user fixes
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExportError(f"upload to the hub repository {repo_id!r} failed ({type(err).__name__}: {first}); "
+                          f"the export in {str(out_dir)!r} is complete, retry with network and `hf auth login`"
+                          ) from None
+
+
+@entry_point("ddcl-vq export")
+def main(argv: Optional[List[str]] = None) -> int:
+    opts = OPTIONS.parse(argv)
+    done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
+    if not opts.quiet:
+        for name, size in done["files"].items():
+            print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
+        print(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: from_pretrained "
+              f"reproduces the hard reconstructions and indices of {done['checked_images']} images bit for bit")
+        if done["quantizer_type"] == "vqp":
+            print("note: a vqp model needs vector-quantize-pytorch installed where it is loaded")
+        print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")
+    if opts.push_to_hub:
+        url = push(opts.out_dir, opts.push_to_hub, opts.private)
+        if not opts.quiet:
+            print(f"pushed to {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Token files: the hard code indices of a dataset split, readable without ddcl-vq.
+
+``.npy``: FILE holds the indices (N, h, w); the labels, when the dataset has them, go to
+``<FILE without .npy>.labels.npy`` (N,) int64. Read with ``numpy.load``.
+
+``.safetensors``: tensors ``indices`` (N, h, w) and ``labels`` (N,) int64 (when present), and
+string metadata (``num_codes``, ``run``, ``split``, ``step``, ...). Read with
+``safetensors.numpy.load_file`` (or ``safetensors.torch.load_file``).
+
+The indices' dtype is the smallest unsigned integer type that holds K codes: uint8 for
+K ≤ 256, uint16 for K ≤ 65,536, else uint32.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from ddcl_vq.train.errors import UserError
+
+SUFFIXES = (".npy", ".safetensors")
+
+
+class TokenFileError(UserError, ValueError):
+    """A token file cannot be written or read as asked."""
+
+
+def index_dtype(num_codes: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds indices 0 … K−1."""
+    if num_codes <= 0:
+        raise ValueError(f"expected num_codes > 0, got {num_codes}")
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if num_codes - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
+def check_suffix(path: str | Path) -> Path:
+    path = Path(path)
+    if path.suffix not in SUFFIXES:
+        raise TokenFileError(f"expected a token file ending in {' or '.join(SUFFIXES)}, got {str(path)!r}")
+    return path
+
+
+def labels_path(path: str | Path) -> Path:
+    """Where a .npy token file's labels live: train.npy -> train.labels.npy."""
+    path = Path(path)
+    return path.with_name(path.name[:-len(".npy")] + ".labels.npy")
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndarray] = None,
+                 metadata: Optional[Dict] = None) -> list[Path]:
+    """Write ``indices`` (and ``labels``) to ``path`` (.npy or .safetensors), each file atomically;
+    returns the paths written. ``metadata`` goes into the safetensors header (values as strings)."""
+    path = check_suffix(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    if path.suffix == ".npy":
+        def save(array):
+            def write(tmp):
+                with open(tmp, "wb") as f:
+                    np.save(f, array)
+            return write
+        _atomic(path, save(indices))
+        written.append(path)
+        if labels is not None:
+            _atomic(labels_path(path), save(labels))
+            written.append(labels_path(path))
+        else:
+            labels_path(path).unlink(missing_ok=True)  # not a stale one from an earlier run
+        return written
+    from safetensors.numpy import save_file
+
+    tensors = {"indices": np.ascontiguousarray(indices)}
+    if labels is not None:
+        tensors["labels"] = np.ascontiguousarray(labels)
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    return [path]
+
+
+def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dict[str, str]]:
+    """-> (indices, labels or None, metadata) from a .npy or .safetensors token file. A .npy file
+    may hold any integer array (e.g. what a prior sampled); its labels are read when present."""
+    path = check_suffix(path)
+    if not path.is_file():
+        raise TokenFileError(f"token file {str(path)!r} does not exist")
+    try:
+        if path.suffix == ".npy":
+            indices = np.load(path, allow_pickle=False)
+            lp = labels_path(path)
+            labels = np.load(lp, allow_pickle=False) if lp.is_file() else None
+            return indices, labels, {}
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+        tensors = load_file(str(path))
+    except (OSError, ValueError) as err:
+        raise TokenFileError(f"cannot read token file {str(path)!r}: {err}") from None
+    if "indices" not in tensors:
+        if len(tensors) != 1:
+            raise TokenFileError(f"expected a tensor 'indices' in {str(path)!r}, got {sorted(tensors)}")
+        return next(iter(tensors.values())), None, metadata
+    return tensors["indices"], tensors.get("labels"), metadata

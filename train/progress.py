@@ -1,0 +1,92 @@
+"""Progress that reads well in a terminal and in a log file.
+
+On a terminal (stderr is a TTY) a tqdm bar; elsewhere (a job's log file, a pipe, CI) one plain
+line every ``every`` updates and at the end, instead of tqdm's carriage-return redraws, e.g.::
+
+    fashion_ddcl: step 200/1000 (20%)  3.1 step/s  elapsed 1:04  eta 4:18  loss=0.0123 ppl=180 util=97%
+
+``DDCL_VQ_PROGRESS=bar`` or ``=lines`` forces one or the other.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional, TextIO
+
+
+def interactive(stream: Optional[TextIO] = None) -> bool:
+    """True when progress should be a redrawn bar: ``DDCL_VQ_PROGRESS`` if set, else stderr is a TTY."""
+    forced = os.environ.get("DDCL_VQ_PROGRESS", "").strip().lower()
+    if forced in ("bar", "tty"):
+        return True
+    if forced in ("lines", "log"):
+        return False
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """``update(n)``, ``set_postfix(**values)``, ``close()``: a tqdm bar on a terminal, else a line
+    every ``every`` updates (and one at ``total``) on ``stream`` (stderr by default)."""
+
+    def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: int = 1,
+                 stream: Optional[TextIO] = None, leave: bool = True, bar: Optional[bool] = None):
+        self.total, self.desc, self.unit, self.n = int(total), desc, unit, int(initial)
+        self.every = max(int(every), 1)
+        self.stream = stream
+        self.postfix: dict = {}
+        self.bar = None
+        self.start_n, self.t_start = self.n, time.time()
+        self.last_line = self.n
+        if interactive(stream) if bar is None else bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, dynamic_ncols=True,
+                            leave=leave, file=stream)
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = {k: v for k, v in values.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(**values)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        if self.n // self.every > self.last_line // self.every or (self.n >= self.total > self.last_line):
+            self.write_line()
+
+    def line(self) -> str:
+        elapsed = time.time() - self.t_start
+        done = self.n - self.start_n
+        rate = done / elapsed if elapsed > 0 else 0.0
+        parts = [f"{self.desc}: {self.unit} {self.n}/{self.total}"]
+        if self.total:
+            parts[0] += f" ({self.n / self.total:.0%})"
+        parts.append(f"{rate:.3g} {self.unit}/s" if rate else f"- {self.unit}/s")
+        parts.append(f"elapsed {_clock(elapsed)}")
+        if rate and self.total > self.n:
+            parts.append(f"eta {_clock((self.total - self.n) / rate)}")
+        if self.postfix:
+            parts.append(" ".join(f"{k}={v}" for k, v in self.postfix.items()))
+        return "  ".join(parts)
+
+    def write_line(self) -> None:
+        self.last_line = self.n
+        stream = sys.stderr if self.stream is None else self.stream
+        print(self.line(), file=stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
