@@ -87,6 +87,13 @@ class VQVAEOutput:
     quantizer: QuantizerOutput
 
 
+def _readable(path: Path) -> None:
+    """Give a written file the permissions of any new file (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def build_quantizer_from_config(quantizer_type: str, kwargs: Dict[str, Any]) -> Quantizer:
     """``QUANTIZER_TYPES[quantizer_type](**kwargs)`` (kwargs hold ``num_codes`` and ``dim``)."""
     if quantizer_type not in QUANTIZER_TYPES:
@@ -156,6 +163,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         config = self._pretrained_config()
         save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
+        _readable(Path(save_directory) / WEIGHTS_NAME)
         (Path(save_directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod

@@ -255,3 +255,34 @@ def test_a_training_log_has_one_progress_line_per_logging_interval(tmp_path, cap
     err = capsys.readouterr().err
     steps = [int(m.group(1)) for m in re.finditer(r"^logged: step (\d+)/12", err, re.M)]
     assert steps == [10, 12]
+
+
+def test_push_to_hub_uploads_the_export_and_a_failure_is_one_line(runs, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create", repo_id, kwargs.get("private")))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, **kwargs):
+            calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "pushed"
+    assert cli.main(["export", str(runs["ddcl"]), str(out), "--push-to-hub", "me/tiny", "--private"]) == 0
+    assert calls == [("create", "me/tiny", True),
+                     ("upload", "me/tiny", ["README.md", "config.json", "model.safetensors"])]
+    assert "pushed to https://huggingface.co/me/tiny" in capsys.readouterr().out
+
+    class OfflineApi(FakeApi):
+        def create_repo(self, repo_id, **kwargs):
+            raise ConnectionError("Name or service not known\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
+    assert cli.main(["export", str(runs["ddcl"]), str(out), "--overwrite", "--push-to-hub", "me/tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "upload to the hub repository 'me/tiny' failed" in err[0]
+    assert VQVAE.from_pretrained(str(out)).quantizer.num_codes == 32  # the export itself is complete

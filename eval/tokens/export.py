@@ -91,11 +91,11 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
                   f"codebook utilization {c.get('utilization', float('nan')):.1%}, "
                   f"perplexity {c.get('perplexity', float('nan')):.1f}.", ""]
     lines += ["```python", "import torch", "from ddcl_vq.models import VQVAE", "",
-              f'model = VQVAE.from_pretrained("{out_dir.name}")   # this folder, or its hub id',
-              "images = torch.rand(4, %s, %s, %s)                 # in [0, 1]" % (
+              f'model = VQVAE.from_pretrained("{out_dir.name}")  # this folder, or its hub id',
+              "images = torch.rand(4, %s, %s, %s)  # in [0, 1]" % (
                   data.get("channels", 1), data.get("image_size", 32), data.get("image_size", 32)),
-              "indices = model.encode_indices(images)             # (B, h, w) code indices: what a prior learns",
-              "recon = model.decode_indices(indices)              # hard-code reconstruction",
+              "indices = model.encode_indices(images)  # (B, h, w) code indices: what a prior learns",
+              "recon = model.decode_indices(indices)  # decoded from the hard codes",
               "```", "",
               "Files: `config.json` (constructor arguments; `quantizer_state` is informative, the state itself "
               "is in the weights), `model.safetensors` (weights and quantizer buffers, no pickle)."]

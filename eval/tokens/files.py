@@ -55,6 +55,9 @@ def _atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a token file is for sharing
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

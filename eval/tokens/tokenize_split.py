@@ -6,7 +6,7 @@ type that holds K (uint8 for K ≤ 256, uint16 for K ≤ 65,536), with the label
 has them. FILE ends in ``.npy`` (labels beside it in ``.labels.npy``) or ``.safetensors`` (one
 file, with metadata): a prior's data loader reads either with numpy or safetensors alone. The
 file is written once, at the end, atomically; encoding is fast (Fashion-MNIST's 60,000 training
-images take about a minute on one CPU core with the default model), so there is nothing to resume.
+images take about 90 s on one shared CPU core with the default model), so there is nothing to resume.
 """
 from __future__ import annotations
 
