@@ -230,10 +230,6 @@ class DDCLQuantizer(Quantizer):
         self.register_buffer("cluster_usage", torch.ones(num_codes))   # EMA of hard counts
         self.register_buffer("cluster_sums", self.weight.detach().clone())
         self.register_buffer("distance_scale", torch.zeros(()))  # 0: not measured yet
-        # the running mean behind distance_scale: EMA (0.99) of held-out batches' mean nearest
-        # distance and how many batches it holds (for the bias correction)
-        self.register_buffer("distance_ema", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("distance_batches", torch.zeros((), dtype=torch.long))
         self.register_buffer("revived", torch.zeros((), dtype=torch.long))
 
     # ------------------------------------------------------------------ temperature schedule
@@ -322,8 +318,7 @@ class DDCLQuantizer(Quantizer):
         # a state_dict from before the M-step existed (codebook trained by gradient): keep the
         # constructor's neutral values for the M-step buffers it lacks
         legacy = [prefix + name for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
-                                             "distance_ema",
-                                             "distance_batches", "revived")]
+                                             "revived")]
         if all(key in missing_keys for key in legacy):
             if self.codebook_update != "gradient" or self.temperature_reference != "dim":
                 error_msgs.append(
@@ -368,10 +363,9 @@ class DDCLQuantizer(Quantizer):
                 spread = self.weight.data.std(0, keepdim=True).clamp_min(1e-6)
                 self.weight.data += 0.01 * spread * jitter.to(self.weight.device, self.weight.dtype)
             self.initialized.fill_(True)
-        # A first guess for this batch only: the in-sample distance to the nearest code (k-means
-        # was fitted on this very batch, so it is low, and 0 when codes outnumber vectors; then a
-        # hundredth of the batch's variance). From the next batch on, distance_scale is the
-        # bias-corrected running mean of batches the codebook was not fitted to.
+        # The running mean starts at the first batch's distance to its nearest code (in-sample:
+        # k-means was fitted on this very batch; 0 when codes outnumber vectors, then a hundredth
+        # of the batch's variance).
         xc = x - x.mean(0)
         nearest = squared_distances(x, self.weight.data.to(x.dtype)).min(1).values
         totals = torch.stack([nearest.sum(), xc.pow(2).sum(), torch.tensor(float(x.shape[0]), device=x.device)
@@ -379,7 +373,6 @@ class DDCLQuantizer(Quantizer):
         all_reduce_sum_(totals)
         mean_nearest, variance = float(totals[0] / totals[2].clamp_min(1)), float(totals[1] / totals[2].clamp_min(1))
         self.distance_scale.fill_(mean_nearest if mean_nearest > 1e-6 * variance else max(0.01 * variance, 1e-12))
-        self._fitted_batch = True
         self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
         self.cluster_usage.fill_(x.shape[0] * world_size() / self.num_codes)
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
@@ -396,13 +389,11 @@ class DDCLQuantizer(Quantizer):
                             torch.tensor([float(x.shape[0])], device=x.device)]).to(torch.float64)
         all_reduce_sum_(totals)
         mass, hits, nearest_sum, count = totals[:k], totals[k:2 * k], totals[-2], totals[-1]
-        if getattr(self, "_fitted_batch", False):
-            self._fitted_batch = False   # the codebook was fitted to this batch: not a fair sample
-        else:
-            self.distance_ema.mul_(0.99).add_(0.01 * nearest_sum / count.clamp_min(1))
-            self.distance_batches += 1
-            correction = 1 - 0.99 ** int(self.distance_batches)
-            self.distance_scale.fill_(max(float(self.distance_ema) / correction, 1e-12))
+        # A slow running mean (time constant ~100 steps). Measured: early in training, while the
+        # encoder's features contract several-fold, the lagging scale keeps the assignment soft;
+        # codes merge where the data left them and are re-seeded where the distortion is — a
+        # second, better-placed start of the codebook (README: "what each part buys").
+        self.distance_scale.mul_(0.99).add_(0.01 * float(nearest_sum / count.clamp_min(1)))
         self.cluster_mass.mul_(g).add_(mass.to(self.cluster_mass.dtype), alpha=1 - g)
         self.cluster_usage.mul_(g).add_(hits.to(self.cluster_usage.dtype), alpha=1 - g)
         if self.codebook_update == "mstep":

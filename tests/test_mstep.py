@@ -171,7 +171,7 @@ def test_evaluation_mode_changes_nothing():
 def test_checkpoint_from_before_the_mstep_loads_into_the_legacy_settings():
     legacy = DDCLQuantizer(8, 4, codebook_update="gradient", temperature_reference="dim", codebook_init="uniform")
     old = {k: v for k, v in legacy.state_dict().items()
-           if k not in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "distance_ema", "distance_batches",
+           if k not in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
                         "revived")}
     DDCLQuantizer(8, 4, codebook_update="gradient", temperature_reference="dim").load_state_dict(old)
     with pytest.raises(RuntimeError, match="codebook_update='gradient'"):

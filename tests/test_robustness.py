@@ -116,7 +116,7 @@ def test_old_run_resumes_and_evaluates_as_it_was(tiny_config, tmp_path):
         state = torch.load(path, weights_only=True)
         for key in new_keys:
             del state["config"]["quantizer"][key]
-        for key in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "distance_ema", "distance_batches", "revived"):
+        for key in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "revived"):
             state["model"].pop(f"quantizer.{key}", None)  # the M-step's buffers
         torch.save(state, path)
     assert train_main(["--quiet", "--config", str(run / "config.yaml"), "train.steps=8"]) == 0

@@ -48,7 +48,7 @@ class _DDCLAdapter(nn.Module):
         # Not saved: state_dicts keep the host's keys; loading a codebook marks it initialised.
         ddcl.register_buffer("initialized", ddcl.initialized, persistent=False)
         ddcl.register_buffer("schedule_step", ddcl.schedule_step, persistent=False)
-        for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "distance_ema", "distance_batches",
+        for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
                      "revived"):  # M-step state
             ddcl.register_buffer(name, getattr(ddcl, name), persistent=False)
         self.last_output: Optional[QuantizerOutput] = None
