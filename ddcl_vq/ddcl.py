@@ -170,7 +170,7 @@ class DDCLQuantizer(Quantizer):
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
-                 revive_criterion: str = "mass",
+                 revive_criterion: str = "mass", restart_step: int = 0,
                  encoder_gradient: str = "identity",
                  codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
@@ -214,6 +214,9 @@ class DDCLQuantizer(Quantizer):
         self.decay = float(decay)
         self.revive_threshold = float(revive_threshold)
         self.revive_criterion = revive_criterion
+        if isinstance(restart_step, bool) or not isinstance(restart_step, int) or restart_step < 0:
+            raise ValueError(f"expected restart_step, an int >= 0 (0 = never), got {restart_step!r}")
+        self.restart_step = restart_step
         self.encoder_gradient = encoder_gradient
         self.set_schedule(temperature, temperature_final, temperature_schedule, schedule_steps)
         self._last_temperature: Optional[float] = None
@@ -378,6 +381,15 @@ class DDCLQuantizer(Quantizer):
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
 
     @torch.no_grad()
+    def _restart(self, x: Tensor) -> None:
+        """Re-fit the codebook by k-means on this batch (the encoder has left its random start):
+        codes and M-step statistics restart; the distance scale and counters go on."""
+        kmeans_init_(self.weight.data, x)
+        self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
+        self.cluster_usage.fill_(x.shape[0] * world_size() / self.num_codes)
+        self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
+
+    @torch.no_grad()
     def _update_statistics(self, x: Tensor, stats: SoftStatistics) -> None:
         """One training batch: EMA of the distance scale and of the soft mass (and, for the M-step,
         of the soft sums, and the new codebook); revival of starved codes. All-reduced: identical
@@ -441,6 +453,8 @@ class DDCLQuantizer(Quantizer):
             learn = self.training and x.shape[0] > 0  # an empty batch teaches nothing
             if learn and (not bool(self.initialized) or float(self.distance_scale) == 0):
                 self._initialize(x.detach())
+            if learn and self.restart_step and int(self.schedule_step) == self.restart_step:
+                self._restart(x.detach())
             scale = self.softmax_scale(tau)
             if self.codebook_update == "mstep":
                 # the M-step's statistics on sg(z) with the codebook before this batch's update
@@ -508,7 +522,7 @@ class DDCLQuantizer(Quantizer):
         return (super().extra_repr() + f", mode={self.mode!r}, {schedule}, "
                 f"temperature_reference={self.temperature_reference!r}, codebook_update={self.codebook_update!r}, "
                 f"decay={self.decay:g}, revive_threshold={self.revive_threshold:g}, "
-                f"revive_criterion={self.revive_criterion!r}, "
+                f"revive_criterion={self.revive_criterion!r}, restart_step={self.restart_step}, "
                 f"encoder_gradient={self.encoder_gradient!r}, "
                 f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

@@ -63,6 +63,7 @@ class QuantizerConfig:
     codebook_update: str = "mstep"           # mstep (EMA of DDCL's soft M-step) | gradient (optimizer at rho*lr)
     revive_threshold: float = 0.03           # re-seed codes whose EMA usage < this x N/K (0 = off)
     revive_criterion: str = "mass"           # mass (EMA of soft mass) | usage (EMA of hard counts)
+    restart_step: int = 0                    # re-fit the codebook by k-means at this training step (0 = never)
     encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
     codebook_init: str = "kmeans"
     implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
@@ -143,6 +144,7 @@ RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
 LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
                "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
+                "quantizer.restart_step",
                 "quantizer.revive_threshold",
                 "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
 
