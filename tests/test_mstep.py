@@ -207,3 +207,24 @@ def test_large_codebooks_use_the_truncated_support():
     from ddcl_vq.ddcl import TRUNCATE_ABOVE, TRUNCATED_SUPPORT
     assert DDCLQuantizer(TRUNCATE_ABOVE, 4).statistics_support is None
     assert DDCLQuantizer(TRUNCATE_ABOVE + 1, 4).statistics_support == TRUNCATED_SUPPORT
+
+
+def test_restart_refits_the_codebook_by_kmeans_on_the_batch_of_that_step():
+    from ddcl_vq.kmeans import kmeans_init_
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, restart_step=2, revive_threshold=0.0).double()
+    for seed in (1, 2):
+        quant(batch(seed=seed))
+        quant.step()
+    before = quant.codebook.detach().clone()
+    z = batch(seed=3)
+    expected = before.clone()
+    kmeans_init_(expected, z)                       # what the restart fits on this batch
+    out = quant(z)                                  # step 2: the restart, then this batch's M-step
+    assert not torch.equal(before, expected)
+    torch.testing.assert_close(out.quantized, expected[out.indices])   # decoded with the refit codebook
+    quant.step()
+    quant(batch(seed=4))                            # step 3: no second restart
+    assert not torch.allclose(quant.codebook.detach(), expected)
+    with pytest.raises(ValueError, match="restart_step"):
+        DDCLQuantizer(8, 4, restart_step=-1)
