@@ -42,11 +42,11 @@ def test_plan_skips_what_does_not_fit_and_says_why():
 
 def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
+    assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
                        "--repeats", "1", "--no-e2e", "--no-progress", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["cores"] >= 1 and data["meta"]["memory_method"] in ("rss", "subprocess")
-    assert {r["impl"] for r in data["rows"]} == {"ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
+    assert {r["impl"] for r in data["rows"]} == {"ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
     printed = capsys.readouterr().out
     assert "peak MB" in printed and "% 6mm" in printed
     rows = e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)

@@ -9,13 +9,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-# name -> (label, mode or None).  DDCL rows: ddcl-<path> is the default straight_through
-# mode, ddcl-soft-<path> the soft mode (full gradient through q to z and W).
+# name -> label.  ddcl-mstep is the library default (straight_through, M-step codebook: no
+# gradient through the assignment); ddcl-<path> is straight_through with the codebook trained by
+# gradient (the assignment's fused/chunked/reference paths), ddcl-soft-<path> the soft mode (full
+# gradient through q to z and W).
 IMPLS = {
     "matmul6": "six bare matmuls (floor of the full DDCL gradient)",
-    "ddcl-reference": "DDCL straight_through, plain autograd",
-    "ddcl-fused": "DDCL straight_through, fused",
-    "ddcl-chunked": "DDCL straight_through, chunked",
+    "ddcl-mstep": "DDCL default: straight_through, M-step codebook",
+    "ddcl-reference": "DDCL straight_through (codebook by gradient), plain autograd",
+    "ddcl-fused": "DDCL straight_through (codebook by gradient), fused",
+    "ddcl-chunked": "DDCL straight_through (codebook by gradient), chunked",
     "ddcl-soft-reference": "DDCL soft, plain autograd",
     "ddcl-soft-fused": "DDCL soft, fused",
     "ddcl-soft-chunked": "DDCL soft, chunked",
@@ -29,6 +32,7 @@ IMPLS = {
 # counted in D=64-matmul equivalents, N×K float tensors alive at the peak)
 COST = {
     "matmul6": (6.0, 0.0, 0.0),
+    "ddcl-mstep": (3.0, 4.0, 1.0),
     "ddcl-reference": (3.0, 23.0, 8.0),
     "ddcl-fused": (3.0, 3.0, 0.0),
     "ddcl-chunked": (3.0, 3.0, 0.0),
@@ -42,7 +46,7 @@ COST = {
 
 
 FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6,
-                 "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
+                 "ddcl-mstep": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
 
 
 def calibrate() -> float:

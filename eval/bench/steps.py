@@ -46,11 +46,15 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         return step
 
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
-    if name.startswith("ddcl"):
+    if name == "ddcl-mstep":
+        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1)   # the library default
+        quant.weight.data.copy_(inp.codebook)
+    elif name.startswith("ddcl"):
         parts = name.split("-")
         mode = "soft" if parts[1] == "soft" else "straight_through"
         impl = parts[-1]
-        quant = DDCLQuantizer(k, d, mode=mode, implementation=impl, codebook_init="normal", channel_dim=-1)
+        quant = DDCLQuantizer(k, d, mode=mode, implementation=impl, codebook_init="normal", channel_dim=-1,
+                              codebook_update="gradient", temperature_reference="dim", temperature=0.01)
         quant.weight.data.copy_(inp.codebook)
     elif name == "hardvq":
         quant = HardVQ(k, d, channel_dim=-1)
