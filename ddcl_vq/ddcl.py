@@ -495,7 +495,10 @@ class DDCLQuantizer(Quantizer):
                     out = w.detach()[a.indices] + (a.soft - a.soft.detach())
                 loss = a.distortion / self.dim
                 terms = {}
-            if learn and self.codebook_update == "gradient":
+            # a gradient-trained codebook needs the running statistics only for a data-relative
+            # τ or for revival; the first recipe (τ·D, no revival) skips them on its hot path
+            if learn and self.codebook_update == "gradient" and (
+                    self.temperature_reference == "data" or self.revive_threshold > 0):
                 with torch.no_grad():
                     nearest = (x.detach() - w.detach()[indices]).pow(2).sum(1)
                     self._update_statistics(x.detach(), SoftStatistics(
