@@ -59,7 +59,7 @@ from .base import squared_distances
 from .cpu_pool import run_blocks
 
 __all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "SoftStatistics", "soft_statistics", "DDCLFunction", "chunk_rows", "first_argmax",
-           "first_argmin"]
+           "first_argmin", "first_min", "statistics_rows"]
 
 #: how an assignment can be computed (the quantizer adds ``"auto"``: its own choice per batch)
 IMPLEMENTATIONS = ("reference", "fused", "chunked")
@@ -480,8 +480,38 @@ class SoftStatistics:
     variance: Tensor
 
 
-#: rows per block of :func:`soft_statistics`: about this many elements per (rows × K) block.
-STATISTICS_BLOCK_ELEMENTS = 1 << 22
+#: rows per block of :func:`soft_statistics` on the CPU: about this many elements per (rows × K)
+#: block, so that a block (1 MiB in float32) and its temporaries stay in cache while the block's
+#: distance, minimum, softmax and products pass over it (64 to 4096 rows) …
+STATISTICS_BLOCK_ELEMENTS = 1 << 18
+#: … elsewhere (GPU) and on the truncated path, larger blocks: fewer launches, same memory bound.
+STATISTICS_BLOCK_ELEMENTS_LARGE = 1 << 22
+
+
+def statistics_rows(num_codes: int, device: torch.device | str = "cpu", truncated: bool = False) -> int:
+    """Rows per block of :func:`soft_statistics` by default: a multiple of 64 (BLAS kernels give a
+    row the same bits whatever block it is in more reliably for such blocks) from 64 to 4096."""
+    large = truncated or torch.device(device).type != "cpu"
+    elements = STATISTICS_BLOCK_ELEMENTS_LARGE if large else STATISTICS_BLOCK_ELEMENTS
+    return max(64, min(4096, elements // max(num_codes, 1)) // 64 * 64)
+
+
+def first_min(d: Tensor):
+    """``d.min(1)`` (values, first minimal index) exactly, but faster on the CPU: ``min`` along a
+    row is not vectorised there, ``amin`` is — block minima over groups of ``_ARGMIN_BLOCK``
+    columns, the first block holding the row minimum, then ``min`` inside that block only."""
+    rows, k = d.shape
+    b = _ARGMIN_BLOCK
+    nb = k // b
+    if nb < 2 or not d.is_contiguous() or d.device.type != "cpu":
+        return d.min(1)
+    block_min = d[:, : nb * b].view(rows, nb, b).amin(2)
+    if nb * b < k:
+        block_min = torch.cat([block_min, d[:, nb * b:].amin(1, keepdim=True)], 1)
+    start = block_min.argmin(1).mul_(b)
+    cols = (start[:, None] + torch.arange(b, device=d.device)).clamp_max_(k - 1)
+    values, offset = d.gather(1, cols).min(1)
+    return values, start.add_(offset)
 
 
 @torch.no_grad()
@@ -489,10 +519,16 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
                     support: Optional[int] = None) -> SoftStatistics:
     """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
 
-    Computed in blocks of ``rows`` vectors (default ≈ 2**22 / K, 64 to 4096), so extra memory is
+    Computed in blocks of ``rows`` vectors (default :func:`statistics_rows`: ≈ 2**18 / K on the
+    CPU, a block that stays in cache; ≈ 2**22 / K elsewhere; 64 to 4096), so extra memory is
     O(rows·K) whatever N is; nothing is kept for autograd. Same centring, distance expansion and
     stable softmax as :func:`assign`; q is shifted by each row's minimum distance before the
-    softmax (the same q, exactly: the shift cancels).
+    softmax (the same q, exactly: the shift cancels). Each block's distances are the bits
+    :func:`~ddcl_vq.base.squared_distances` gives for that block (computed in place, in buffers
+    allocated once per call), and the hard index is the exact first minimum; a row's distances
+    come out the same in any block wherever the BLAS computes a row independently of the others
+    (float32 here, tested), and the sums over rows (mass, sums, the terms) depend on the blocking
+    only to float rounding.
 
     ``support``: when given and < K, each vector's softmax is taken over its ``support`` nearest
     codes only (the others get q = 0). Large codebooks need it: the full q costs an N×K softmax
@@ -503,8 +539,9 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     if not scale > 0:
         raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
     n, k = z.shape[0], codebook.shape[0]
+    truncated = support is not None and support < k
     if rows is None:
-        rows = max(64, min(4096, STATISTICS_BLOCK_ELEMENTS // max(k, 1)))
+        rows = statistics_rows(k, z.device, truncated)
     center = codebook.mean(0)
     w = codebook - center
     w_sq = w.pow(2).sum(1)
@@ -513,11 +550,10 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     mass = torch.zeros(k, dtype=z.dtype, device=z.device)
     sums = torch.zeros_like(w)
     totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
-    truncated = support is not None and support < k
-    for start in range(0, n, rows):
-        x = z[start:start + rows] - center
-        d = squared_distances(x, w)
-        if truncated:
+    if truncated:
+        for start in range(0, n, rows):
+            x = z[start:start + rows] - center
+            d = squared_distances(x, w)
             d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
             dmin, idx = d_top[:, 0], code[:, 0]
             indices[start:start + rows] = idx
@@ -529,17 +565,30 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
             totals[0] += (q * d_top).sum()
             totals[1] += (x - soft).pow(2).sum()
             totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
-            continue
-        dmin, idx = d.min(1)
-        indices[start:start + rows] = idx
-        nearest[start:start + rows] = dmin
-        q = torch.softmax((dmin[:, None] - d) / scale, 1)
-        mass += q.sum(0)
-        sums += q.t() @ x
-        soft = q @ w
-        totals[0] += (q * d).sum()
-        totals[1] += (x - soft).pow(2).sum()
-        totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
+    elif n > 0:
+        # the dense path, in place: per block one matmul for the distances, one for Σ q z, one for
+        # ẑ; every N×K pass (expansion, clamp, minimum, shift, softmax, q·d) on a cached block
+        width = min(rows, n)
+        w_t = w.t()
+        w_norm = (w * w).sum(1)                       # as squared_distances computes ‖w‖²
+        x_buf, soft_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1])
+        d_buf, l_buf, q_buf = z.new_empty(width, k), z.new_empty(width, k), z.new_empty(width, k)
+        for start in range(0, n, rows):
+            m = min(rows, n - start)
+            x = torch.sub(z[start:start + m], center, out=x_buf[:m])
+            # squared_distances(x, w) bit for bit: ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
+            d = torch.mm(x, w_t, out=d_buf[:m]).mul_(-2.0).add_((x * x).sum(1, keepdim=True))
+            d = d.add_(w_norm).clamp_min_(0.0)
+            dmin, idx = first_min(d)
+            indices[start:start + m] = idx
+            nearest[start:start + m] = dmin
+            q = _softmax(torch.sub(dmin[:, None], d, out=l_buf[:m]).div_(scale), q_buf[:m])
+            mass += q.sum(0)
+            sums.addmm_(q.t(), x)
+            soft = torch.mm(q, w, out=soft_buf[:m])
+            totals[0] += torch.mul(q, d, out=l_buf[:m]).sum()
+            totals[1] += (x - soft).pow(2).sum()
+            totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
     totals /= max(n, 1)
     sums += mass[:, None] * center  # Σ_i q_ik (x_i + c) = Σ_i q_ik z_i
     return SoftStatistics(indices=indices, nearest=nearest, mass=mass, sums=sums,

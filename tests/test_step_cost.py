@@ -1,0 +1,115 @@
+"""The training step's speed work changes no values: the M-step statistics, computed in cached
+blocks with in-place passes, against a frozen copy of the dense computation they replaced; the
+quantizer trained for a few steps with either gives the same indices, revivals and codebook."""
+import pytest
+import torch
+
+import ddcl_vq.ddcl as ddcl_module
+from ddcl_vq import DDCLQuantizer
+from ddcl_vq.assignment import SoftStatistics, first_min, soft_statistics, statistics_rows
+from ddcl_vq.base import squared_distances
+
+
+@torch.no_grad()
+def dense_statistics(z, codebook, scale, rows=None, support=None):
+    """The M-step statistics as first written (one block of up to 4096 rows, out-of-place passes):
+    the reference the faster path must equal."""
+    n, k = z.shape[0], codebook.shape[0]
+    assert support is None or support >= k
+    rows = rows or max(64, min(4096, (1 << 22) // max(k, 1)))
+    center = codebook.mean(0)
+    w = codebook - center
+    w_sq = w.pow(2).sum(1)
+    indices = torch.empty(n, dtype=torch.long)
+    nearest = torch.empty(n, dtype=z.dtype)
+    mass = torch.zeros(k, dtype=z.dtype)
+    sums = torch.zeros_like(w)
+    totals = z.new_zeros(3)
+    for start in range(0, n, rows):
+        x = z[start:start + rows] - center
+        d = squared_distances(x, w)
+        dmin, idx = d.min(1)
+        indices[start:start + rows] = idx
+        nearest[start:start + rows] = dmin
+        q = torch.softmax((dmin[:, None] - d) / scale, 1)
+        mass += q.sum(0)
+        sums += q.t() @ x
+        soft = q @ w
+        totals[0] += (q * d).sum()
+        totals[1] += (x - soft).pow(2).sum()
+        totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
+    totals /= max(n, 1)
+    sums += mass[:, None] * center
+    return SoftStatistics(indices=indices, nearest=nearest, mass=mass, sums=sums,
+                          distortion=totals[0], ols=totals[1], variance=totals[2])
+
+
+def features(n, d, k, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, d, generator=g) * 2 + 0.3).to(dtype)
+    w = torch.randn(k, d, generator=g).to(dtype)
+    return z, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n, d, k", [(2048, 16, 512), (1000, 8, 300), (77, 4, 50), (129, 3, 1000), (0, 4, 8)])
+def test_blocked_statistics_equal_the_dense_computation(n, d, k, dtype):
+    z, w = features(n, d, k, seed=k, dtype=dtype)
+    scale = 0.1 * float(squared_distances(z, w).min(1).values.mean()) if n else 1.0
+    ref = dense_statistics(z, w, scale)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for rows in (None, 64, 100):
+        s = soft_statistics(z, w, scale, rows=rows)
+        assert torch.equal(s.indices, ref.indices)
+        if rows is None:                                  # the default blocks: the same bits
+            assert torch.equal(s.nearest, ref.nearest)
+        torch.testing.assert_close(s.nearest, ref.nearest, **tol)
+        for name in ("mass", "sums", "distortion", "ols", "variance"):
+            torch.testing.assert_close(getattr(s, name), getattr(ref, name), **tol, msg=name)
+
+
+def test_first_min_is_exactly_min_with_ties():
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 5, 127, 128, 256, 300, 1000, 1024):
+        x = torch.randint(0, 4, (33, k), generator=g).float()
+        values, indices = first_min(x)
+        ref = x.min(1)
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices), k
+
+
+def test_statistics_blocks_are_cache_sized_on_the_cpu():
+    assert statistics_rows(512) == 512 and statistics_rows(1024) == 256 and statistics_rows(300) % 64 == 0
+    assert statistics_rows(1 << 20) == 64 and statistics_rows(2) == 4096
+    assert statistics_rows(512, "cuda") == 4096 and statistics_rows(8192, truncated=True) == 512
+
+
+def run_quantizer(monkeypatch, statistics, steps=25):
+    """A DDCL quantizer (defaults: M-step, k-means start, data-relative τ, revival) on a drifting
+    stream of batches that starves codes; -> per-step indices, revivals, final state."""
+    monkeypatch.setattr(ddcl_module, "soft_statistics", statistics)
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(256, 8, channel_dim=-1, revive_threshold=0.2)
+    g = torch.Generator().manual_seed(1)
+    indices, revived = [], []
+    for step in range(steps):
+        z = torch.randn(600, 8, generator=g) * (1 + 0.1 * step)
+        z[:, 0] += 0.2 * step                      # the data drifts away from part of the codebook
+        out = quant(z)
+        quant.step()
+        indices.append(out.indices.clone())
+        revived.append(int(quant.revived))
+    return indices, revived, {k: v.clone() for k, v in quant.state_dict().items()}
+
+
+def test_quantizer_trajectory_is_unchanged(monkeypatch):
+    ref = run_quantizer(monkeypatch, dense_statistics)
+    new = run_quantizer(monkeypatch, soft_statistics)
+    assert ref[1][-1] > 0, "the stream is meant to revive codes"
+    assert ref[1] == new[1]                              # the same revival decisions, step by step
+    for a, b in zip(ref[0], new[0]):
+        assert torch.equal(a, b)                         # the same hard indices, step by step
+    for key, value in ref[2].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(new[2][key], value, rtol=1e-5, atol=1e-5, msg=key)
+        else:
+            assert torch.equal(new[2][key], value), key
