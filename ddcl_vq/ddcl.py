@@ -405,7 +405,9 @@ class DDCLQuantizer(Quantizer):
         # encoder's features contract several-fold, the lagging scale keeps the assignment soft;
         # codes merge where the data left them and are re-seeded where the distortion is — a
         # second, better-placed start of the codebook (README: "what each part buys").
-        self.distance_scale.mul_(0.99).add_(0.01 * float(nearest_sum / count.clamp_min(1)))
+        # (the batch's mean in float64 on the device, rounded once as a Python float would be: no host sync)
+        batch_mean = (0.01 * (nearest_sum / count.clamp_min(1))).to(self.distance_scale.dtype)
+        self.distance_scale.mul_(0.99).add_(batch_mean)
         self.cluster_mass.mul_(g).add_(mass.to(self.cluster_mass.dtype), alpha=1 - g)
         self.cluster_usage.mul_(g).add_(hits.to(self.cluster_usage.dtype), alpha=1 - g)
         if self.codebook_update == "mstep":
@@ -414,13 +416,16 @@ class DDCLQuantizer(Quantizer):
             self.cluster_sums.mul_(g).add_(sums, alpha=1 - g)
             self.weight.data.copy_(self.cluster_sums / self.cluster_mass.clamp_min(1e-12)[:, None])
         if self.revive_threshold > 0:
-            self._revive(x, stats.nearest, float(count))
+            self._revive(x, stats.nearest, count)
 
     @torch.no_grad()
-    def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: float) -> None:
+    def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: Tensor) -> None:
         """Re-seed codes whose EMA hard usage (or soft mass) is below the threshold on batch vectors
-        drawn with probability ∝ their distance to the nearest code (where the distortion is)."""
-        threshold = self.revive_threshold * batch_vectors / self.num_codes
+        drawn with probability ∝ their distance to the nearest code (where the distortion is).
+        ``batch_vectors``: the (all-reduced, float64) batch size as a tensor; the one host sync is
+        the number of starved codes."""
+        # rounded to the buffers' dtype: what comparing with (and writing) a Python float does
+        threshold = (self.revive_threshold * batch_vectors / self.num_codes).to(self.cluster_mass.dtype)
         measure = self.cluster_usage if self.revive_criterion == "usage" else self.cluster_mass
         starved = measure < threshold  # identical on every process (all-reduced statistics)
         count = int(starved.sum())
