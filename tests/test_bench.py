@@ -52,6 +52,15 @@ def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     rows = e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
     assert {r["impl"] for r in rows} == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
     assert all(r["ms"] > 0 and r["K"] == 512 and r["D"] == 64 for r in rows)
+    assert all(r["cpu_ms"] >= 0 and r["cpu_paired_ratio_vs_hardvq"] >= 0 for r in rows)
+
+
+def test_e2e_row_is_the_default_mstep_quantizer():
+    # the default DDCL (M-step codebook, straight_through) takes no assignment path: no reference row
+    rows = {r["impl"]: r for r in e2e_rows(repeats=1, warmup=0, batch=2, with_reference=True)}
+    assert set(rows) == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
+    assert rows["vqvae-step-ddcl"]["path"] == "mstep"
+    assert "CPU time" in format_table(list(rows.values()))
 
 
 def test_help_explains_options(capsys):

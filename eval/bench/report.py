@@ -21,7 +21,9 @@ def format_table(rows: List[dict]) -> str:
             note.append(f"{r['runs']} run(s) after warm-up; memory from the warm-up run")
         if "ratio_vs_hardvq" in r:
             note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step (median of per-round ratios "
-                        f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds)"
+                        f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds"
+                        + (f"; CPU time {r['cpu_paired_ratio_vs_hardvq']:.2f}x" if "cpu_paired_ratio_vs_hardvq" in r
+                           else "") + ")"
                         + (f", path={r['path']}" if r.get("path") else ""))
         lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
                      + "; ".join(note))
