@@ -76,6 +76,23 @@ def test_lpips_uses_real_weights_zero_for_identical_larger_for_blurred(test_imag
     assert noise.mean() > blurred.mean()
 
 
+def test_batched_ssim_and_lpips_equal_one_library_call_per_batch(test_images):
+    """evaluate's batched SSIM (batch laid out as channels) and LPIPS (target features once) give
+    the values of torchmetrics / the lpips module called on each batch, gray and colour."""
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
+    model, note = metrics.build_lpips()
+    assert model is not None, note
+    g = torch.Generator().manual_seed(0)
+    for x in (test_images, torch.rand(5, 3, 32, 32, generator=g)):
+        preds = [(x + s * torch.randn(x.shape, generator=g)).clamp(0, 1) for s in (0.05, 0.2)]
+        for p, value in zip(preds, metrics.ssim_many(preds, x)):
+            expected = structural_similarity_index_measure(p, x, data_range=1.0, reduction="none")
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+        for p, value in zip(preds, metrics.lpips_many(model, preds, x)):
+            torch.testing.assert_close(value, metrics.lpips_per_image(model, p, x), rtol=1e-5, atol=1e-6)
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, ("touch should_not_exist",))
