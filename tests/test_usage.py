@@ -51,3 +51,18 @@ def test_ddcl_output_feeds_usage():
 def test_out_of_range_index_rejected():
     with pytest.raises(ValueError, match=r"\[0, 3\]"):
         CodebookUsage(4).update(torch.tensor([4]))
+
+
+def test_counting_without_a_host_sync_equals_bincount_and_defers_the_range_check():
+    # the path update takes for accelerator tensors, run here on CPU tensors
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 8, (500,), generator=g)
+    ref, fast = CodebookUsage(8), CodebookUsage(8)
+    ref.update(idx)
+    fast._count_on_device(idx)
+    assert torch.equal(ref.counts, fast.counts) and ref.compute() == fast.compute()
+    fast._count_on_device(torch.tensor([3, 8, -1]))
+    with pytest.raises(ValueError, match=r"expected indices in \[0, 7\], got 2 out of range"):
+        fast.compute()
+    fast.reset()
+    assert fast.compute().num_vectors == 0
