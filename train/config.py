@@ -38,7 +38,8 @@ class DataConfig:
     batch_size: int = 128                    # global batch (split evenly over processes)
     download: bool = True                    # let torchvision download when the files are missing
     patches_per_image: int = 2000            # natural_patches only
-    num_workers: int = 0
+    num_workers: Optional[int] = None       # DataLoader workers; null = auto: image_folder min(4, cores/2),
+                                             # 0 for the in-memory datasets (batches gathered in one indexing op)
 
 
 @dataclass

@@ -9,13 +9,13 @@ from __future__ import annotations
 import gzip
 import os
 from pathlib import Path
-from typing import Tuple
+from typing import Iterable, List, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from .errors import UserError, one_line
 from .schema import ConfigError
@@ -95,7 +95,9 @@ class TensorImageDataset(Dataset):
     def __len__(self) -> int:
         return self.images.shape[0]
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i):
+        """One image and label for an int ``i``; a whole batch (B, C, S, S), (B,) for a list of indices
+        (one indexing op: what :func:`make_loader` asks of an in-memory dataset)."""
         return self.images[i].float().div_(255.0), self.labels[i]
 
 
@@ -261,3 +263,55 @@ class EpochBatches:
                 batch = order[b * self.global_batch:(b + 1) * self.global_batch]
                 self.step += 1
                 yield batch[self.rank * local:(self.rank + 1) * local].tolist()
+
+
+# ----------------------------------------------------------------------------- loading batches
+
+def in_memory(dataset: Dataset) -> bool:
+    """True for a :class:`TensorImageDataset` (or a Subset of one): uint8 images in memory that a
+    list of indices gathers as one batch."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return isinstance(dataset, TensorImageDataset)
+
+
+def resolve_workers(data_cfg, dataset: Dataset) -> int:
+    """``data.num_workers``, or when it is null (auto): 0 for in-memory datasets (Fashion-MNIST, MNIST,
+    CIFAR-10, natural patches: a batch is one indexing op, workers would only add copies between
+    processes), min(4, half the cores, at least 1) for an image folder, where every image is a file to
+    decode."""
+    if data_cfg.num_workers is not None:
+        return int(data_cfg.num_workers)
+    if in_memory(dataset):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return min(4, max(1, cores // 2))
+
+
+def make_loader(dataset: Dataset, batches: Iterable[List[int]], num_workers: int = 0,
+                device: torch.device | str = "cpu") -> DataLoader:
+    """A DataLoader of (images, labels) batches, one per index list of ``batches`` (in that order).
+
+    In-memory datasets are indexed with the whole list (one gather and one conversion per batch,
+    no per-image Python calls); others per image and collated. ``num_workers`` > 0 loads in worker
+    processes, which stay alive between passes; on CUDA batches come in pinned memory (copy them
+    with ``non_blocking=True``). The batches are the same with any number of workers."""
+    cuda = torch.device(device).type == "cuda"
+    options = dict(num_workers=num_workers, pin_memory=cuda, persistent_workers=num_workers > 0)
+    if in_memory(dataset):
+        return DataLoader(dataset, sampler=batches, batch_size=None, **options)
+    return DataLoader(dataset, batch_sampler=batches, **options)
+
+
+class SequentialBatches:
+    """Index lists [0, b), [b, 2b), … over ``n`` items (the last one shorter): an evaluation pass."""
+
+    def __init__(self, n: int, batch_size: int):
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def __iter__(self):
+        for start in range(0, self.n, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.n)))

@@ -25,7 +25,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
 from ddcl_vq.distributed import replicas_identical
@@ -34,7 +33,7 @@ from ddcl_vq.models import VQVAE, VQVAEOutput
 from .builders import build_model, build_optimizer, lr_lambda
 from .checkpoint import latest_checkpoint, load_into, prune_periodic, save_checkpoint
 from .config import Config, dump_config
-from .data import EpochBatches, build_dataset, image_channels
+from .data import EpochBatches, build_dataset, image_channels, make_loader, resolve_workers
 from .errors import UserError, one_line
 from .progress import Progress
 from .rundir import RunLock, check_resume, finished_summary, note, saved_config
@@ -235,7 +234,8 @@ class RunLog:
 def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.device) -> Dict:
     """Hard- (and soft-) code reconstruction and dataset-level codebook usage on the first
     ``train.eval_images`` test images, for summary.json."""
-    result = reconstruction_pass(model, test_set, batch_size=256, device=device, max_images=cfg.train.eval_images)
+    result = reconstruction_pass(model, test_set, batch_size=256, device=device, max_images=cfg.train.eval_images,
+                                 num_workers=resolve_workers(cfg.data, test_set))
     usage = result["usage"]
     return dict(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
                 codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})
@@ -344,8 +344,7 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     batches = EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed, env["rank"], world, start_step=step)
-    loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.data.num_workers,
-                        pin_memory=device.type == "cuda")
+    loader = make_loader(train_set, batches, resolve_workers(cfg.data, train_set), device)
     autocast, scaler = _mixed_precision(t.amp, device)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
     log = RunLog(cfg, model, preview, step, device, is_main, quiet)

@@ -105,7 +105,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                  overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
                  write: bool = True) -> Dict:
     """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict."""
-    from ddcl_vq.train.data import build_dataset
+    from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.loop import setup_distributed
     from ddcl_vq.train.testset import reconstruction_pass
 
@@ -124,7 +124,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     rfid_ok, rfid_note = rfid_availability()
     sums = ImageMetricSums(lpips_model, device=device, rfid=rfid_ok)
     result = reconstruction_pass(model, dataset, batch_size=batch_size, device=device, max_images=max_images,
-                                 on_batch=sums.update, progress=progress)
+                                 on_batch=sums.update, progress=progress,
+                                 num_workers=resolve_workers(cfg.data, dataset))
     extra = sums.compute()
     usage = result["usage"]
     hard = {"mse": result["hard"]["mse"], "psnr": result["hard"]["psnr"], "ssim": extra["hard_ssim"],

@@ -103,7 +103,7 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
                  overrides=(), device: str = "auto", progress: bool = False) -> Dict:
     """Tokenize ``split`` of the run's dataset into ``out``; returns a summary."""
     from ddcl_vq.eval.evaluation.evaluate import load_run
-    from ddcl_vq.train.data import build_dataset
+    from ddcl_vq.train.data import build_dataset, resolve_workers
 
     out = check_suffix(out)  # before any work
     cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
@@ -111,7 +111,8 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
     model = model.to(dev)
     dataset = build_dataset(cfg.data, split, cfg.run.seed)
     t0 = time.time()
-    indices, labels = encode_dataset(model, dataset, batch_size, max_images, dev, progress, cfg.data.num_workers)
+    indices, labels = encode_dataset(model, dataset, batch_size, max_images, dev, progress,
+                                     resolve_workers(cfg.data, dataset))
     seconds = time.time() - t0
     k = model.quantizer.num_codes
     metadata = {"format": "ddcl-vq/tokens", "num_codes": k, "run": str(run_dir), "step": step,
