@@ -520,7 +520,8 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
 
     Computed in blocks of ``rows`` vectors (default :func:`statistics_rows`: ≈ 2**18 / K on the
-    CPU, a block that stays in cache; ≈ 2**22 / K elsewhere; 64 to 4096), so extra memory is
+    CPU, a block that stays in cache; ≈ 2**22 / K on other devices and with a truncated ``support``,
+    whose top-k gains nothing from smaller blocks; 64 to 4096), so extra memory is
     O(rows·K) whatever N is; nothing is kept for autograd. Same centring, distance expansion and
     stable softmax as :func:`assign`; q is shifted by each row's minimum distance before the
     softmax (the same q, exactly: the shift cancels). Each block's distances are the bits
@@ -550,35 +551,36 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     mass = torch.zeros(k, dtype=z.dtype, device=z.device)
     sums = torch.zeros_like(w)
     totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
-    if truncated:
-        for start in range(0, n, rows):
-            x = z[start:start + rows] - center
-            d = squared_distances(x, w)
-            d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
-            dmin, idx = d_top[:, 0], code[:, 0]
-            indices[start:start + rows] = idx
-            nearest[start:start + rows] = dmin
-            q = torch.softmax((dmin[:, None] - d_top) / scale, 1)               # (rows, support)
-            mass.index_add_(0, code.reshape(-1), q.reshape(-1))
-            sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
-            soft = torch.einsum("rs,rsd->rd", q, w[code])
-            totals[0] += (q * d_top).sum()
-            totals[1] += (x - soft).pow(2).sum()
-            totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
-    elif n > 0:
-        # the dense path, in place: per block one matmul for the distances, one for Σ q z, one for
-        # ẑ; every N×K pass (expansion, clamp, minimum, shift, softmax, q·d) on a cached block
+    if n > 0:
+        # per block: one matmul for the distances, then (dense) one for Σ q z and one for ẑ, every
+        # N×K pass (expansion, clamp, minimum, shift, softmax, q·d) in place on a cached block;
+        # (truncated) a top-k of the block's distances and O(rows·support·D) work
         width = min(rows, n)
         w_t = w.t()
         w_norm = (w * w).sum(1)                       # as squared_distances computes ‖w‖²
         x_buf, soft_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1])
-        d_buf, l_buf, q_buf = z.new_empty(width, k), z.new_empty(width, k), z.new_empty(width, k)
+        d_buf = z.new_empty(width, k)
+        if not truncated:
+            l_buf, q_buf = z.new_empty(width, k), z.new_empty(width, k)
         for start in range(0, n, rows):
             m = min(rows, n - start)
             x = torch.sub(z[start:start + m], center, out=x_buf[:m])
             # squared_distances(x, w) bit for bit: ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
             d = torch.mm(x, w_t, out=d_buf[:m]).mul_(-2.0).add_((x * x).sum(1, keepdim=True))
             d = d.add_(w_norm).clamp_min_(0.0)
+            if truncated:
+                d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
+                dmin, idx = d_top[:, 0], code[:, 0]
+                indices[start:start + m] = idx
+                nearest[start:start + m] = dmin
+                q = torch.softmax((dmin[:, None] - d_top) / scale, 1)           # (rows, support)
+                mass.index_add_(0, code.reshape(-1), q.reshape(-1))
+                sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
+                soft = torch.einsum("rs,rsd->rd", q, w[code])
+                totals[0] += (q * d_top).sum()
+                totals[1] += (x - soft).pow(2).sum()
+                totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
+                continue
             dmin, idx = first_min(d)
             indices[start:start + m] = idx
             nearest[start:start + m] = dmin

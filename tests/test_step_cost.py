@@ -12,10 +12,10 @@ from ddcl_vq.base import squared_distances
 
 @torch.no_grad()
 def dense_statistics(z, codebook, scale, rows=None, support=None):
-    """The M-step statistics as first written (one block of up to 4096 rows, out-of-place passes):
-    the reference the faster path must equal."""
+    """The M-step statistics as first written (blocks of ≈ 2**22 elements up to 4096 rows,
+    out-of-place passes; ``support``: the truncated path): the reference the faster code must equal."""
     n, k = z.shape[0], codebook.shape[0]
-    assert support is None or support >= k
+    truncated = support is not None and support < k
     rows = rows or max(64, min(4096, (1 << 22) // max(k, 1)))
     center = codebook.mean(0)
     w = codebook - center
@@ -28,6 +28,19 @@ def dense_statistics(z, codebook, scale, rows=None, support=None):
     for start in range(0, n, rows):
         x = z[start:start + rows] - center
         d = squared_distances(x, w)
+        if truncated:
+            d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
+            dmin, idx = d_top[:, 0], code[:, 0]
+            indices[start:start + rows] = idx
+            nearest[start:start + rows] = dmin
+            q = torch.softmax((dmin[:, None] - d_top) / scale, 1)
+            mass.index_add_(0, code.reshape(-1), q.reshape(-1))
+            sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
+            soft = torch.einsum("rs,rsd->rd", q, w[code])
+            totals[0] += (q * d_top).sum()
+            totals[1] += (x - soft).pow(2).sum()
+            totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
+            continue
         dmin, idx = d.min(1)
         indices[start:start + rows] = idx
         nearest[start:start + rows] = dmin
@@ -65,6 +78,18 @@ def test_blocked_statistics_equal_the_dense_computation(n, d, k, dtype):
             assert torch.equal(s.nearest, ref.nearest)    # GEMMs may round a row by its block's size)
         torch.testing.assert_close(s.nearest, ref.nearest, **tol)
         for name in ("mass", "sums", "distortion", "ols", "variance"):
+            torch.testing.assert_close(getattr(s, name), getattr(ref, name), **tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_truncated_statistics_equal_the_first_implementation(dtype):
+    z, w = features(700, 8, 600, seed=2, dtype=dtype)
+    scale = 0.1 * float(squared_distances(z, w).min(1).values.mean())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for rows in (None, 100):
+        ref, s = dense_statistics(z, w, scale, rows=rows, support=16), soft_statistics(z, w, scale, rows=rows, support=16)
+        assert torch.equal(s.indices, ref.indices)
+        for name in ("nearest", "mass", "sums", "distortion", "ols", "variance"):
             torch.testing.assert_close(getattr(s, name), getattr(ref, name), **tol, msg=name)
 
 
