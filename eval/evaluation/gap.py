@@ -1,0 +1,159 @@
+"""``ddcl-vq gap RUN_DIR ...``: where a trained run's reconstruction error comes from.
+
+For each run, on the first ``--images`` images of the split:
+
+- ``psnr_hard``: the decoder on the hard codes (what a prior or a deployed decoder sees);
+- ``psnr_unquantized``: the decoder fed the encoder's features *without* quantization — what this
+  encoder/decoder pair reaches with an infinitely fine codebook;
+- ``gap_db`` = psnr_unquantized − psnr_hard: the part of the error due to quantization;
+- ``relative_distortion``: mean squared distance of a feature vector to its nearest code over the
+  features' total variance (how finely the codebook covers the features);
+- ``psnr_lloyd``: hard PSNR after ``--lloyd`` hard k-means (Lloyd) steps of the codebook on
+  ``--fit-images`` training images' features (each step: assign to the nearest code, move each
+  code with vectors to their mean). If these add nothing, the codebook already sits where hard
+  k-means would put it and the remaining error is the autoencoder's or the codebook size's.
+
+Shapes: features are (B, D, h, w); the codebook is (K, D). Every quantizer decodes its nearest
+code at evaluation, so the re-fitted codebook is decoded the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from ddcl_vq.base import squared_distances
+
+from .evaluate import EvaluateError, load_run
+
+
+def nearest_codes(vectors: Tensor, codebook: Tensor, rows: int = 4096) -> tuple[Tensor, Tensor]:
+    """(N, D), (K, D) -> (indices (N,), squared distance to the nearest code (N,)), in row blocks."""
+    center = codebook.mean(0)
+    w = codebook - center
+    idx, dist = [], []
+    for start in range(0, vectors.shape[0], rows):
+        d = squared_distances(vectors[start:start + rows] - center, w)
+        m = d.min(1)
+        idx.append(m.indices)
+        dist.append(m.values)
+    return torch.cat(idx), torch.cat(dist)
+
+
+def lloyd_step(codebook: Tensor, vectors: Tensor) -> Tensor:
+    """One hard k-means step: each code with assigned vectors moves to their mean; the rest stay."""
+    idx, _ = nearest_codes(vectors, codebook)
+    counts = torch.bincount(idx, minlength=codebook.shape[0]).to(vectors.dtype)
+    sums = torch.zeros_like(codebook).index_add_(0, idx, vectors)
+    return torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], codebook)
+
+
+def _images(dataset, n: int) -> Tensor:
+    from ddcl_vq.train.data import SequentialBatches, make_loader
+    n = min(n, len(dataset))
+    if n <= 0:
+        raise EvaluateError("nothing to measure: the split has no images")
+    return torch.cat([x for x, _ in make_loader(dataset, SequentialBatches(n, 256))])
+
+
+@torch.no_grad()
+def _features(model, images: Tensor, batch_size: int) -> Tensor:
+    return torch.cat([model.encoder(images[i:i + batch_size]).float() for i in range(0, len(images), batch_size)])
+
+
+@torch.no_grad()
+def _psnr(model, images: Tensor, features: Tensor, batch_size: int) -> float:
+    """Mean over images of 10·log10(1 / MSE_image), reconstructions clamped to [0, 1]."""
+    total = 0.0
+    for i in range(0, len(images), batch_size):
+        rec = model.decoder(features[i:i + batch_size]).float().clamp(0, 1)
+        mse = (rec - images[i:i + batch_size]).pow(2).flatten(1).mean(1).double()
+        total += float((10 * torch.log10(1.0 / mse.clamp_min(1e-10))).sum())
+    return total / len(images)
+
+
+def _quantize(features: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
+    b, _, h, w = features.shape
+    flat = rearrange(features, "b d h w -> (b h w) d")
+    idx, dist = nearest_codes(flat, codebook)
+    return rearrange(codebook[idx], "(b h w) d -> b d h w", b=b, h=h, w=w), dist
+
+
+@torch.no_grad()
+def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 4000, lloyd: int = 3,
+                     split: str = "test", batch_size: int = 250) -> Dict:
+    """The figures described in the module docstring, for one run directory."""
+    from ddcl_vq.train.data import build_dataset
+    cfg, model, step, _ = load_run(run_dir)
+    if model.quantizer.channel_dim != 1:
+        raise EvaluateError("gap expects a VQ-VAE whose quantizer takes (B, D, h, w) features")
+    x = _images(build_dataset(cfg.data, split, seed=cfg.run.seed), images)
+    z = _features(model, x, batch_size)
+    codebook = model.quantizer.codebook.detach().float()
+    hard, dist = _quantize(z, codebook)
+    flat = rearrange(z, "b d h w -> (b h w) d")
+    variance = float((flat - flat.mean(0)).pow(2).sum(1).mean())
+    out = {"run": str(run_dir), "step": step, "split": split, "num_images": len(x),
+           "num_codes": int(codebook.shape[0]),
+           "psnr_hard": _psnr(model, x, hard, batch_size),
+           "psnr_unquantized": _psnr(model, x, z, batch_size),
+           "relative_distortion": float(dist.mean()) / max(variance, 1e-12)}
+    out["gap_db"] = out["psnr_unquantized"] - out["psnr_hard"]
+    if lloyd > 0:
+        fit = _features(model, _images(build_dataset(cfg.data, "train", seed=cfg.run.seed), fit_images), batch_size)
+        fit_flat = rearrange(fit, "b d h w -> (b h w) d")
+        refit = codebook
+        for _ in range(lloyd):
+            refit = lloyd_step(refit, fit_flat)
+        out["lloyd_steps"] = lloyd
+        out["psnr_lloyd"] = _psnr(model, x, _quantize(z, refit)[0], batch_size)
+    return out
+
+
+def markdown(rows: Sequence[Dict]) -> str:
+    lines = ["| run | K | PSNR hard (dB) | after Lloyd steps | decoder(z), unquantized | quantization gap (dB) "
+             "| nearest-code distance / variance |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lloyd = f"{r['psnr_lloyd']:.2f} ({r['lloyd_steps']})" if "psnr_lloyd" in r else "—"
+        lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
+                     f"{r['psnr_unquantized']:.2f} | {r['gap_db']:.2f} | {100 * r['relative_distortion']:.2f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ddcl-vq gap", description=__doc__.split("\n\n")[0] + " Prints a markdown table, one row per run: "
+        "hard PSNR, PSNR after re-fitting the codebook by hard k-means, the decoder on unquantized features, "
+        "their gap and the codebook's relative distortion.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by ddcl-vq train")
+    parser.add_argument("--images", type=int, default=2000, help="images of the split to measure (default 2000)")
+    parser.add_argument("--fit-images", type=int, default=4000,
+                        help="training images whose features the Lloyd steps fit (default 4000)")
+    parser.add_argument("--lloyd", type=int, default=3, help="hard k-means steps of the codebook (default 3; 0: skip)")
+    parser.add_argument("--split", default="test", choices=("test", "train"))
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
+    if args.images <= 0 or args.fit_images <= 0 or args.lloyd < 0:
+        parser.error(f"expected --images > 0, --fit-images > 0 and --lloyd >= 0, got "
+                     f"{args.images}, {args.fit_images}, {args.lloyd}")
+    try:
+        rows = [quantization_gap(r, args.images, args.fit_images, args.lloyd, args.split) for r in args.runs]
+    except EvaluateError as err:
+        if args.debug:
+            raise
+        print(f"ddcl-vq gap: {err}")
+        return 2
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""ddcl-vq gap: the quantization-gap diagnostic on tiny runs trained on real Fashion-MNIST."""
+import json
+
+import pytest
+import torch
+
+from ddcl_vq.eval.evaluation.evaluate import load_run
+from ddcl_vq.eval.evaluation.gap import lloyd_step, main, nearest_codes, quantization_gap
+from ddcl_vq.train.config import load_config
+from ddcl_vq.train.data import build_dataset
+from ddcl_vq.train.loop import train
+from ddcl_vq.train.testset import reconstruction_pass
+
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
+        "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("gap")
+    out = {}
+    for qtype in ("ddcl", "hard"):
+        train(load_config(f"configs/fashion_{qtype}.yaml", TINY + [f"run.dir={base / qtype}"]), quiet=True)
+        out[qtype] = base / qtype
+    return out
+
+
+def test_lloyd_step_never_raises_the_distortion_it_fits():
+    g = torch.Generator().manual_seed(0)
+    vectors = torch.randn(2000, 8, generator=g) * torch.linspace(0.5, 3, 8)
+    codebook = torch.randn(40, 8, generator=g) * 4  # some codes far away: they get no vectors
+    before = nearest_codes(vectors, codebook)[1].mean()
+    refit = lloyd_step(codebook, vectors)
+    assert nearest_codes(vectors, refit)[1].mean() <= before + 1e-6
+    idx = nearest_codes(vectors, codebook)[0]
+    empty = torch.bincount(idx, minlength=40) == 0
+    assert empty.any() and torch.equal(refit[empty], codebook[empty])  # codes without vectors stay
+    used = (~empty).nonzero()[0, 0]
+    assert torch.allclose(refit[used], vectors[idx == used].mean(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["ddcl", "hard"])
+def test_gap_figures_agree_with_the_evaluation_pass(runs, qtype):
+    row = quantization_gap(runs[qtype], images=300, fit_images=300, lloyd=2)
+    cfg, model, _, _ = load_run(runs[qtype])
+    ref = reconstruction_pass(model, build_dataset(cfg.data, "test", seed=cfg.run.seed), max_images=300)
+    assert row["num_images"] == 300 and row["num_codes"] == 32
+    assert row["psnr_hard"] == pytest.approx(ref["hard"]["psnr"], abs=1e-3)  # the quantizer's own hard codes
+    assert row["gap_db"] == pytest.approx(row["psnr_unquantized"] - row["psnr_hard"])
+    assert 0 < row["relative_distortion"] < float("inf") and row["lloyd_steps"] == 2 and "psnr_lloyd" in row
+
+
+def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
+    out = tmp_path / "gap.json"
+    assert main([str(runs["ddcl"]), str(runs["hard"]), "--images", "100", "--lloyd", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "quantization gap" in text and "\n| ddcl | 32 |" in text and "\n| hard | 32 |" in text
+    rows = json.loads(out.read_text())
+    assert [r["num_images"] for r in rows] == [100, 100] and all("psnr_lloyd" not in r for r in rows)
+
+
+def test_gap_cli_errors_in_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--images", "0"])
