@@ -62,6 +62,7 @@ def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
 
 def test_gap_cli_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main([str(tmp_path), "--images", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddcl-vq gap: error: ") and "does not exist" in err[0]
+    assert main([str(tmp_path), "--images", "0"]) == 2
+    assert "option --images: expected a value > 0" in capsys.readouterr().err

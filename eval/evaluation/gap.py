@@ -18,8 +18,8 @@ code at evaluation, so the re-fitted codebook is decoded the same way.
 """
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -28,6 +28,8 @@ from einops import rearrange
 from torch import Tensor
 
 from ddcl_vq.base import squared_distances
+from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.schema import Options, Rules, option
 
 from .evaluate import EvaluateError, load_run
 
@@ -125,33 +127,43 @@ def markdown(rows: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
+HELP = """\
+Where a trained run's reconstruction error comes from. For each run, on the first --images images
+of the split: hard-code PSNR; the decoder fed the encoder's features without quantization (what
+the encoder/decoder pair reaches with an infinitely fine codebook); their gap (the part of the
+error due to quantization); the mean squared nearest-code distance over the features' variance;
+and hard PSNR after --lloyd hard k-means steps of the codebook on --fit-images training images'
+features (if these add nothing, the codebook sits where hard k-means would put it). Prints a
+markdown table, one row per run.
+
+  ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
+  ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json
+"""
+
+
+@dataclass(kw_only=True)
+class GapOptions:
+    runs: List[str] = option(help="run directories written by ddcl-vq train", positional=True, nargs="+",
+                             metavar="RUN_DIR")
+    images: int = option(2000, "images of the split to measure")
+    fit_images: int = option(4000, "training images whose features the Lloyd steps fit")
+    lloyd: int = option(3, "hard k-means steps of the codebook (0: skip)")
+    split: str = option("test", "the split to measure")
+    json: Optional[str] = option(None, "also write the rows as JSON", metavar="FILE")
+
+
+OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=HELP,
+                  rules=Rules(choices={"split": ("test", "train")}, positive={"images", "fit_images"},
+                              non_negative={"lloyd"}))
+
+
+@entry_point("ddcl-vq gap")
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ddcl-vq gap", description=__doc__.split("\n\n")[0] + " Prints a markdown table, one row per run: "
-        "hard PSNR, PSNR after re-fitting the codebook by hard k-means, the decoder on unquantized features, "
-        "their gap and the codebook's relative distortion.")
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by ddcl-vq train")
-    parser.add_argument("--images", type=int, default=2000, help="images of the split to measure (default 2000)")
-    parser.add_argument("--fit-images", type=int, default=4000,
-                        help="training images whose features the Lloyd steps fit (default 4000)")
-    parser.add_argument("--lloyd", type=int, default=3, help="hard k-means steps of the codebook (default 3; 0: skip)")
-    parser.add_argument("--split", default="test", choices=("test", "train"))
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    args = parser.parse_args(argv)
-    if args.images <= 0 or args.fit_images <= 0 or args.lloyd < 0:
-        parser.error(f"expected --images > 0, --fit-images > 0 and --lloyd >= 0, got "
-                     f"{args.images}, {args.fit_images}, {args.lloyd}")
-    try:
-        rows = [quantization_gap(r, args.images, args.fit_images, args.lloyd, args.split) for r in args.runs]
-    except EvaluateError as err:
-        if args.debug:
-            raise
-        print(f"ddcl-vq gap: {err}")
-        return 2
+    opts = OPTIONS.parse(argv)
+    rows = [quantization_gap(r, opts.images, opts.fit_images, opts.lloyd, opts.split) for r in opts.runs]
     print(markdown(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 
