@@ -58,26 +58,62 @@ from torch.autograd.function import once_differentiable
 from .base import squared_distances
 from .cpu_pool import run_blocks
 
-__all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "SoftStatistics", "soft_statistics", "DDCLFunction", "chunk_rows", "first_argmax",
-           "first_argmin", "first_min", "statistics_rows"]
+__all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "SoftStatistics", "soft_statistics", "DDCLFunction", "block_rows",
+           "chunk_rows", "first_argmax", "first_argmin", "first_min", "statistics_rows"]
 
 #: how an assignment can be computed (the quantizer adds ``"auto"``: its own choice per batch)
 IMPLEMENTATIONS = ("reference", "fused", "chunked")
 
-#: rows per block are chosen so that one (rows × K) block has about this many elements …
+#: CPU: rows per block are chosen so that one (rows × K) block has about this many elements …
 CHUNK_ELEMENTS = 1 << 18
 #: … but never fewer rows than this (skinny matmuls are slow) nor more than this.
 MIN_CHUNK_ROWS = 64
 MAX_CHUNK_ROWS = 1024
+#: GPUs (any device but the CPU): one block for the whole batch while the N×K tensors that one
+#: block holds at once fit this many bytes; above it, equal blocks that each fit. Launches, not
+#: cache, are what costs there: dozens of small blocks per call would be dozens of kernel
+#: launches per op. Read at each call, so it can be changed at run time.
+DEVICE_BLOCK_BUDGET_BYTES = 1 << 30
+#: N×K-sized tensors one block of the fused/chunked paths holds at once (the chunked backward:
+#: [q ; dd] stacked and the recomputed logits), plus one for the softmax's own temporaries.
+BLOCK_LIVE_TENSORS = 4
 #: block width for the exact two-level argmin (see :func:`first_argmin`).
 _ARGMIN_BLOCK = 128
 
 
+def block_rows(device_type: str, num_rows: int, num_codes: int, *, itemsize: int = 4,
+               memory_budget_bytes: Optional[int] = None, chunk_size: Optional[int] = None,
+               live_tensors: int = BLOCK_LIVE_TENSORS, cache_elements: int = CHUNK_ELEMENTS,
+               max_cache_rows: int = MAX_CHUNK_ROWS) -> int:
+    """Rows per block of a blocked computation over ``num_rows`` × ``num_codes`` (a pure function).
+
+    * ``chunk_size`` given: that (at most ``num_rows``), whatever the device.
+    * ``device_type == "cpu"``: cache-sized blocks, ≈ ``cache_elements`` / K rows within
+      ``MIN_CHUNK_ROWS`` .. ``max_cache_rows``.
+    * any other device (``"cuda"`` …): the whole batch in one block while ``live_tensors`` rows ×
+      K × ``itemsize`` bytes per row fit ``memory_budget_bytes`` (default
+      :data:`DEVICE_BLOCK_BUDGET_BYTES`, 1 GiB); above it, the fewest equal blocks that fit (at
+      least one row each).
+
+    Always at least 1 and at most ``max(num_rows, 1)``.
+    """
+    n = max(int(num_rows), 1)
+    if chunk_size is not None:
+        return max(1, min(int(chunk_size), n))
+    k = max(int(num_codes), 1)
+    if device_type == "cpu":
+        return max(1, min(n, max_cache_rows, max(MIN_CHUNK_ROWS, cache_elements // k)))
+    budget = DEVICE_BLOCK_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
+    fit = max(1, int(budget) // (k * max(int(itemsize), 1) * max(int(live_tensors), 1)))
+    if fit >= n:
+        return n
+    blocks = -(-n // fit)
+    return -(-n // blocks)                              # equal blocks, each within the budget
+
+
 def chunk_rows(num_rows: int, num_codes: int, chunk_size: Optional[int] = None) -> int:
-    """Rows per block: ``chunk_size`` if given, else ≈ CHUNK_ELEMENTS / K within the bounds."""
-    if chunk_size is None:
-        chunk_size = min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(num_codes, 1)))
-    return max(1, min(int(chunk_size), max(num_rows, 1)))
+    """Rows per block on the CPU: ``chunk_size`` if given, else ≈ CHUNK_ELEMENTS / K within the bounds."""
+    return block_rows("cpu", num_rows, num_codes, chunk_size=chunk_size)
 
 
 def first_argmax(x: Tensor) -> Tensor:
@@ -130,14 +166,16 @@ class Assignment:
 
 
 def assign(z: Tensor, codebook: Tensor, scale: float, *, implementation: str = "reference",
-           codebook_only: bool = False, chunk_size: Optional[int] = None) -> Assignment:
+           codebook_only: bool = False, chunk_size: Optional[int] = None,
+           memory_budget_bytes: Optional[int] = None) -> Assignment:
     """DDCL assignment of (N, D) vectors ``z`` to a (K, D) ``codebook``.
 
     scale: the softmax divisor s = τ·D (> 0). ``implementation``: ``"reference"``, ``"fused"``
     or ``"chunked"`` (see the module docstring). ``codebook_only``: the straight-through mode's
     assignment — z is treated as constant and only the codebook receives the gradient of the
-    distortion. ``chunk_size``: rows per block on the blocked paths (default: about
-    CHUNK_ELEMENTS / K rows). The reference path computes in the inputs' dtype; the blocked paths
+    distortion. ``chunk_size``: rows per block on the blocked paths (default: :func:`block_rows` —
+    about CHUNK_ELEMENTS / K rows on the CPU, the whole batch on a GPU while a block's N×K tensors
+    fit ``memory_budget_bytes``, default :data:`DEVICE_BLOCK_BUDGET_BYTES`). The reference path computes in the inputs' dtype; the blocked paths
     keep float64 and compute everything else in float32, with autocast off.
     """
     if implementation not in IMPLEMENTATIONS:
@@ -148,7 +186,7 @@ def assign(z: Tensor, codebook: Tensor, scale: float, *, implementation: str = "
         a = _reference(z.detach() if codebook_only else z, codebook, scale)
         a.soft_counts = a.q.detach().sum(0)
         return a
-    return _blocked(z, codebook, scale, codebook_only, implementation == "fused", chunk_size)
+    return _blocked(z, codebook, scale, codebook_only, implementation == "fused", chunk_size, memory_budget_bytes)
 
 
 def _reference(z: Tensor, codebook: Tensor, scale: float) -> Assignment:
@@ -167,7 +205,7 @@ def _reference(z: Tensor, codebook: Tensor, scale: float) -> Assignment:
 
 
 def _blocked(z: Tensor, codebook: Tensor, scale: float, codebook_only: bool, store: bool,
-             chunk_size: Optional[int]) -> Assignment:
+             chunk_size: Optional[int], memory_budget_bytes: Optional[int] = None) -> Assignment:
     """The fused (``store``: keep the N×K logits for backward) or chunked path."""
     if z.dim() != 2 or codebook.dim() != 2 or z.shape[1] != codebook.shape[1]:
         raise ValueError(f"expected z (N, D) and codebook (K, D), got {tuple(z.shape)} and {tuple(codebook.shape)}")
@@ -184,7 +222,8 @@ def _blocked(z: Tensor, codebook: Tensor, scale: float, codebook_only: bool, sto
             return Assignment(soft=a.soft.detach() if codebook_only else a.soft, indices=a.indices,
                               distortion=a.distortion, ols=a.ols.detach(), variance=a.variance.detach(),
                               soft_counts=a.q.detach().sum(0))
-        rows = chunk_rows(z.shape[0], codebook.shape[0], chunk_size)
+        rows = block_rows(z.device.type, z.shape[0], codebook.shape[0], itemsize=zz.element_size(),
+                          memory_budget_bytes=memory_budget_bytes, chunk_size=chunk_size)
         soft, dist, ols, var, indices, counts = DDCLFunction.apply(
             zz.contiguous(), ww.contiguous(), float(scale), rows, bool(codebook_only), bool(store))
     return Assignment(soft=soft, indices=indices, distortion=dist, ols=ols, variance=var, soft_counts=counts)
@@ -484,14 +523,24 @@ class SoftStatistics:
 #: block, so that a block (1 MiB in float32) and its temporaries stay in cache while the block's
 #: distance, minimum, softmax and products pass over it (64 to 4096 rows) …
 STATISTICS_BLOCK_ELEMENTS = 1 << 18
-#: … elsewhere (GPU) and on the truncated path, larger blocks: fewer launches, same memory bound.
+#: … on the truncated path larger blocks (on a GPU: :func:`block_rows`' memory budget).
 STATISTICS_BLOCK_ELEMENTS_LARGE = 1 << 22
 
 
-def statistics_rows(num_codes: int, device: torch.device | str = "cpu", truncated: bool = False) -> int:
-    """Rows per block of :func:`soft_statistics` by default: a multiple of 64 (BLAS kernels give a
-    row the same bits whatever block it is in more reliably for such blocks) from 64 to 4096."""
-    large = truncated or torch.device(device).type != "cpu"
+def statistics_rows(num_codes: int, device: torch.device | str = "cpu", truncated: bool = False, *,
+                    num_rows: Optional[int] = None, dim: int = 1, support: Optional[int] = None,
+                    itemsize: int = 4) -> int:
+    """Rows per block of :func:`soft_statistics` by default. On the CPU: a multiple of 64 (BLAS
+    kernels give a row the same bits whatever block it is in more reliably for such blocks) from
+    64 to 4096. On a GPU, given ``num_rows``: :func:`block_rows` — the whole batch while the block's
+    N×K-sized tensors fit :data:`DEVICE_BLOCK_BUDGET_BYTES` (the dense path's distances, shifted
+    logits and q plus a spare; truncated: the distances and the (rows, support, D) products)."""
+    dev = torch.device(device).type
+    if dev != "cpu" and num_rows is not None:
+        k = max(num_codes, 1)
+        live = 4 if not truncated else 2 + -(-(3 * (support or 0) + 2 * (support or 0) * dim) // k)
+        return block_rows(dev, num_rows, num_codes, itemsize=itemsize, live_tensors=live)
+    large = truncated or dev != "cpu"
     elements = STATISTICS_BLOCK_ELEMENTS_LARGE if large else STATISTICS_BLOCK_ELEMENTS
     return max(64, min(4096, elements // max(num_codes, 1)) // 64 * 64)
 
@@ -519,9 +568,10 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
                     support: Optional[int] = None) -> SoftStatistics:
     """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
 
-    Computed in blocks of ``rows`` vectors (default :func:`statistics_rows`: ≈ 2**18 / K on the
-    CPU, a block that stays in cache; ≈ 2**22 / K on other devices and with a truncated ``support``,
-    whose top-k gains nothing from smaller blocks; 64 to 4096), so extra memory is
+    Computed in blocks of ``rows`` vectors (default :func:`statistics_rows`: on the CPU ≈ 2**18 / K,
+    a block that stays in cache, or ≈ 2**22 / K with a truncated ``support``, whose top-k gains
+    nothing from smaller blocks, 64 to 4096; on a GPU the whole batch while the block fits
+    :data:`DEVICE_BLOCK_BUDGET_BYTES`, see :func:`block_rows`), so extra memory is
     O(rows·K) whatever N is; nothing is kept for autograd. Same centring, distance expansion and
     stable softmax as :func:`assign`; q is shifted by each row's minimum distance before the
     softmax (the same q, exactly: the shift cancels). Each block's distances are the bits
@@ -542,7 +592,8 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     n, k = z.shape[0], codebook.shape[0]
     truncated = support is not None and support < k
     if rows is None:
-        rows = statistics_rows(k, z.device, truncated)
+        rows = statistics_rows(k, z.device, truncated, num_rows=n, dim=z.shape[1], support=support,
+                               itemsize=z.element_size())
     center = codebook.mean(0)
     w = codebook - center
     w_sq = w.pow(2).sum(1)

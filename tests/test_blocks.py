@@ -1,0 +1,113 @@
+"""The device-aware block policy (a pure function, tested on the CPU) and that the block size
+never changes a result."""
+import pytest
+import torch
+
+import ddcl_vq.assignment as assignment
+from ddcl_vq import assign, cpu_pool
+from ddcl_vq.assignment import block_rows, chunk_rows, soft_statistics
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("n, k, rows", [
+    (8192, 1024, 256),        # ≈ 2**18 / K
+    (8192, 8192, 64),         # floor: never fewer than 64 rows on the CPU
+    (8192, 65536, 64),
+    (8192, 16, 1024),         # ceiling: never more than 1024
+    (100, 16, 100),           # never more than the batch
+    (0, 16, 1),               # an empty batch still gets a positive block
+])
+def test_cpu_blocks_are_cache_sized(n, k, rows):
+    assert block_rows("cpu", n, k, itemsize=4, memory_budget_bytes=GiB) == rows
+    assert chunk_rows(n, k) == rows                       # the old name, same policy
+    # the memory budget is a GPU setting: the CPU ignores it
+    assert block_rows("cpu", n, k, itemsize=4, memory_budget_bytes=1) == rows
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps", "xpu"])
+def test_gpu_one_block_while_it_fits_the_budget(device):
+    # 8192 × 8192 × 4 bytes × 4 live tensors = 1 GiB: exactly fits
+    assert block_rows(device, 8192, 8192, itemsize=4, memory_budget_bytes=GiB) == 8192
+    assert block_rows(device, 65536, 1024, itemsize=4, memory_budget_bytes=GiB) == 65536
+    # above it: the fewest equal blocks that fit
+    assert block_rows(device, 8193, 8192, itemsize=4, memory_budget_bytes=GiB) == 4097      # 2 blocks
+    assert block_rows(device, 16384, 65536, itemsize=4, memory_budget_bytes=GiB) == 1024    # 16 blocks
+    assert block_rows(device, 16384, 65536, itemsize=2, memory_budget_bytes=GiB) == 2048    # half the bytes
+    assert block_rows(device, 16384, 65536, itemsize=8, memory_budget_bytes=GiB) == 512
+    # a budget below one row still gives one row per block
+    assert block_rows(device, 10, 1 << 20, itemsize=4, memory_budget_bytes=1) == 1
+
+
+def test_gpu_blocks_are_equal_and_within_budget():
+    for n in (1, 7, 1000, 4097, 123457):
+        for k in (1, 512, 8192, 100000):
+            for budget in (2**20, 2**26, GiB):
+                rows = block_rows("cuda", n, k, itemsize=4, memory_budget_bytes=budget)
+                assert 1 <= rows <= n
+                blocks = -(-n // rows)
+                assert rows * 4 * 4 * k <= budget or rows == 1
+                # fewest blocks: one block fewer would not fit
+                assert blocks == 1 or -(-n // (blocks - 1)) * 4 * 4 * k > budget
+
+
+def test_default_budget_is_read_at_call_time(monkeypatch):
+    assert assignment.DEVICE_BLOCK_BUDGET_BYTES == GiB
+    assert block_rows("cuda", 8192, 8192) == 8192
+    monkeypatch.setattr(assignment, "DEVICE_BLOCK_BUDGET_BYTES", GiB // 4)
+    assert block_rows("cuda", 8192, 8192) == 2048
+
+
+def test_explicit_chunk_size_wins_on_every_device():
+    for device in ("cpu", "cuda"):
+        assert block_rows(device, 8192, 8192, itemsize=4, memory_budget_bytes=GiB, chunk_size=100) == 100
+        assert block_rows(device, 50, 8192, itemsize=4, memory_budget_bytes=1, chunk_size=100) == 50
+
+
+def test_worker_pool_never_runs_for_other_devices():
+    """The CPU pool is for CPU tensors only (a GPU's blocks run in the calling thread)."""
+    previous = cpu_pool.set_parallel_blocks(True)
+    try:
+        for device in ("meta", "cuda") if torch.cuda.is_available() else ("meta",):
+            x = torch.empty(4, 4, device=device)
+            assert cpu_pool.num_workers(x, 1000) == 1
+        assert cpu_pool.num_workers(torch.empty(4, 4), 1000) == min(torch.get_num_threads(), 1000)
+    finally:
+        cpu_pool.set_parallel_blocks(previous)
+
+
+@pytest.mark.parametrize("impl", ["fused", "chunked"])
+@pytest.mark.parametrize("codebook_only", [False, True])
+def test_results_do_not_depend_on_block_rows(impl, codebook_only, monkeypatch):
+    """Any block size gives the same values and gradients (float64: equal to rounding far below
+    any tolerance): the CPU default, one row, uneven blocks, and one block for the whole batch
+    (what a GPU gets)."""
+    torch.manual_seed(0)
+    z = torch.randn(301, 7, dtype=torch.float64)
+    w = torch.randn(45, 7, dtype=torch.float64)
+    up = torch.randn(301, 7, dtype=torch.float64)
+    runs = []
+    for rows in (None, 1, 13, 64, 301, 1000):
+        zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        a = assign(zz, ww, 0.3, implementation=impl, codebook_only=codebook_only, chunk_size=rows)
+        ((a.soft * up).sum() * (not codebook_only) + 3.0 * a.distortion).backward()
+        runs.append((a.soft, a.distortion, a.ols, a.variance, a.soft_counts, a.indices, zz.grad, ww.grad))
+    assert block_rows("cuda", 301, 45, itemsize=8) == 301       # the GPU policy: one block
+    for run in runs[1:]:
+        for x, y in zip(runs[0], run):
+            if x is None:
+                assert y is None
+                continue
+            assert torch.allclose(x, y, rtol=1e-11, atol=1e-12) if x.is_floating_point() else torch.equal(x, y)
+
+
+def test_soft_statistics_do_not_depend_on_block_rows():
+    torch.manual_seed(0)
+    z = torch.randn(500, 6, dtype=torch.float64)
+    w = torch.randn(70, 6, dtype=torch.float64)
+    for support in (None, 5):
+        runs = [soft_statistics(z, w, 0.4, rows=rows, support=support) for rows in (None, 1, 33, 500, 4096)]
+        for s in runs[1:]:
+            assert torch.equal(s.indices, runs[0].indices)
+            for name in ("nearest", "mass", "sums", "distortion", "ols", "variance"):
+                assert torch.allclose(getattr(s, name), getattr(runs[0], name), rtol=1e-11, atol=1e-12), name
