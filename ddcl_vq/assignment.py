@@ -304,26 +304,26 @@ def _pick_softmax():
 _softmax = _pick_softmax()
 
 
-def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
-             eager_codebook_grad: bool):
+def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_q: bool, eager_codebook_grad: bool):
     n, dim = z.shape
     k = w.shape[0]
+    inv_s = 1.0 / scale
 
     def setup():
         c = _Blocks(z, w, scale, rows)
         c.soft_c = z.new_empty(n, dim)              # ẑ − centre (kept for backward)
         c.soft = z.new_empty(n, dim)                # ẑ (the output)
         c.indices = torch.empty(n, dtype=torch.long, device=z.device)
-        c.qdot = z.new_empty(n)                     # Σ_k q ℓ = −(Σ_k q d)/s per row
-        c.qwn = z.new_empty(n)                      # Σ_k q ‖wc‖² per row
         c.row_ols = z.new_empty(n)                  # ‖zc − ẑc‖² per row
-        c.soft_sq = z.new_empty(n)                  # ‖ẑc‖² per row
-        c.logits_all = z.new_empty(n, k) if store_logits else None
+        c.row_var = z.new_empty(n)                  # max(Σ_k q ‖wc‖² − ‖ẑc‖², 0) per row
+        c.row_dist = z.new_empty(n)                 # Σ_k q d = ols + variance per row
+        c.q_all = z.new_empty(n, k) if store_q else None
         return c
 
     def make_state(c):
-        st = dict(za=c.new_za(), q=z.new_empty(c.width, k), counts=z.new_zeros(k),
-                  l=None if store_logits else z.new_empty(c.width, k), diff=z.new_empty(c.width, dim))
+        st = dict(za=c.new_za(), l=z.new_empty(c.width, k), counts=z.new_zeros(k),
+                  q=None if store_q else z.new_empty(c.width, k), diff=z.new_empty(c.width, dim),
+                  sq=z.new_empty(c.width))
         if eager_codebook_grad:
             st["acc"] = z.new_zeros(dim + 2, k)      # [zcᵀ e ; colsum(e) ; ·], e = ∂(Σ_k q d)/∂d
         return st
@@ -331,109 +331,95 @@ def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_logits: bool,
     def body(c, st, i0, i1):
         m = i1 - i0
         za = c.centred(st["za"], i0, i1)
-        lg = c.logits(za, c.logits_all[i0:i1] if store_logits else st["l"][:m])
+        lg = c.logits(za, st["l"][:m])
         c.indices[i0:i1] = first_argmax(lg)
-        q = _softmax(lg, st["q"][:m])
-        qd = torch.linalg.vecdot(q, lg, out=c.qdot[i0:i1])
+        q = _softmax(lg, c.q_all[i0:i1] if store_q else st["q"][:m])
         st["counts"].add_(q.sum(0))
         sc = torch.mm(q, c.wc, out=c.soft_c[i0:i1])
-        torch.mv(q, c.wn, out=c.qwn[i0:i1])
+        var = torch.mv(q, c.wn, out=c.row_var[i0:i1])
         torch.add(sc, c.center, out=c.soft[i0:i1])
         diff = torch.sub(za[:, :dim], sc, out=st["diff"][:m])
-        torch.linalg.vecdot(diff, diff, out=c.row_ols[i0:i1])
-        torch.linalg.vecdot(sc, sc, out=c.soft_sq[i0:i1])
+        ols = torch.linalg.vecdot(diff, diff, out=c.row_ols[i0:i1])
+        var.sub_(torch.linalg.vecdot(sc, sc, out=st["sq"][:m])).clamp_min_(0.0)
+        # Σ_k q d = ‖zc − ẑc‖² + Σ_k q ‖wc − ẑc‖² (parallel axis): from N×D and K-vector products,
+        # no pass over the N×K block
+        dist = torch.add(ols, var, out=c.row_dist[i0:i1])
         if eager_codebook_grad:
-            # e_ik = q_ik (1 − (d_ik − Σ_k q d)/s) = q_ik (1 − Σ_k q ℓ + ℓ_ik)
-            e = lg.add_((1.0 - qd)[:, None]).mul_(q)
+            # e_ik = q_ik (1 − (d_ik − Σ_k q d)/s) = q_ik (1 + Σ_k q d / s + ℓ_ik)
+            e = lg.add_((1.0 + dist * inv_s)[:, None]).mul_(q)
             st["acc"].addmm_(za.t(), e)
 
     def finish(c, states):
         counts = states[0]["counts"]
         for st in states[1:]:
             counts.add_(st["counts"])
-        row_dist = c.qdot.mul_(-scale)
-        ols = c.row_ols.mean()
-        variance = c.qwn.sub_(c.soft_sq).clamp_min_(0.0).mean()  # Σ q‖wc‖² − ‖ẑc‖² (parallel axis)
-        state = dict(soft_c=c.soft_c, row_dist=row_dist, logits=c.logits_all)
+        state = dict(soft_c=c.soft_c, row_dist=c.row_dist, q=c.q_all)
         if eager_codebook_grad:
             acc = states[0]["acc"]
             for st in states[1:]:
                 acc.add_(st["acc"])
             # ∂L/∂w_k = −(2/N) Σ_i e_ik (zc_i − wc_k), L = mean_i Σ_k q d; backward scales by g.
             state["codebook_grad"] = (acc[:dim].t() - acc[dim][:, None] * c.wc).mul_(-2.0 / n)
-        return c.soft, c.indices, (row_dist.mean(), ols, variance), counts, state
+        terms = (c.row_dist.mean(), c.row_ols.mean(), c.row_var.mean())
+        return c.soft, c.indices, terms, counts, state
 
     return run_blocks(z, -(-n // rows), setup, make_state, body, finish)
 
 
-def _backward(z: Tensor, w: Tensor, scale: float, rows: int, logits_all: Optional[Tensor],
+def _backward(z: Tensor, w: Tensor, scale: float, rows: int, q_all: Optional[Tensor],
               soft_c: Tensor, row_dist: Tensor, g_soft: Optional[Tensor], g_dist: Optional[Tensor],
               need_z: bool, need_w: bool):
     n, dim = z.shape
     k = w.shape[0]
-    inv_s = 1.0 / scale
     gn = 0.0 if g_dist is None else float(g_dist) / n      # g / N
 
     def setup():
         c = _Blocks(z, w, scale, rows)
         c.grad_z = z.new_empty(n, dim) if need_z else None
-        if g_soft is not None:
-            # bracket_ik = α_i − G_i·wc_k/s  from  [G, α] @ [−wcᵀ/s ; 1]
-            c.rhs = w.new_empty(dim + 1, k)
-            torch.mul(c.wc.t(), -inv_s, out=c.rhs[:dim])
-            c.rhs[dim].fill_(1.0)
         return c
 
     def make_state(c):
         width = c.width
-        st = dict(za=c.new_za(), qp=z.new_empty(2 * width, k),    # [q ; dd] stacked for one matmul
-                  l=z.new_empty(width, k) if logits_all is None else None,
-                  acc=z.new_zeros(dim + 1, k) if need_w else None)
-        if g_soft is not None:
-            st["ga"] = z.new_empty(width, dim + 1)
-            st["r"] = z.new_empty(2 * width, dim + 1)               # [[G, 0] ; [−2 zc, 1]]
-        else:
-            st["r"] = z.new_empty(width, dim + 1)                   # [−2 zc, 1]
+        st = dict(za=c.new_za(), a=z.new_empty(width, dim + 2), p=z.new_empty(width, k),
+                  acc=z.new_zeros(dim + 1, k) if need_w else None,   # [Gᵀq − 2 zcᵀdd ; colsum(dd)]
+                  r=z.new_empty(width, dim + 1) if need_w else None)
+        if q_all is None:                                        # chunked: q recomputed per block
+            st["l"], st["q"] = z.new_empty(width, k), z.new_empty(width, k)
         return st
 
     def body(c, st, i0, i1):
         m = i1 - i0
         za = c.centred(st["za"], i0, i1)
         zc = za[:, :dim]
-        lg = logits_all[i0:i1] if logits_all is not None else c.logits(za, st["l"][:m])
-        qp = st["qp"]
-        q = _softmax(lg, qp[:m])
-        p = qp[m:2 * m]
-        # dd = q ⊙ (g/N − (p − r)/s),  p = G·wc_k + (g/N) d_ik,  r_i = G_i·ẑ_i + (g/N) Σ_k q d
+        if q_all is not None:
+            q = q_all[i0:i1]
+        else:
+            q = _softmax(c.logits(za, st["l"][:m]), st["q"][:m])
+        # dd = q ⊙ b with b_ik = β_i − G_i·wc_k/s − (g/N) d_ik/s, β_i = r_i/s + g/N,
+        # r_i = G_i·ẑc_i + (g/N) Σ_k q d.  Expanding d_ik = ‖zc_i‖² − 2 zc_i·wc_k + ‖wc_k‖², b is one
+        # matmul against the logits' own right operand [2wcᵀ/s ; −‖wc‖²/s ; −1/s]:
+        #     b = [(g/N) zc − G/2,  g/N,  (g/N)‖zc‖² − s β] @ logit_rhs
+        # so backward needs q but not the logits (fused keeps q: no softmax, no N×K add here).
+        a = torch.mul(za, gn, out=st["a"][:m])
         if g_soft is not None:
             gs = g_soft[i0:i1]
+            a[:, :dim].sub_(gs, alpha=0.5)
             r = torch.linalg.vecdot(gs, soft_c[i0:i1]).add_(row_dist[i0:i1], alpha=gn)
-            ga = st["ga"][:m]
-            ga[:, :dim] = gs
-            torch.add(r * inv_s, gn, out=ga[:, dim])
-            torch.mm(ga, c.rhs, out=p)
-            if gn != 0.0:
-                p.add_(lg, alpha=gn)                        # −(g/N) d/s = (g/N) ℓ
         else:
-            alpha = (1.0 + row_dist[i0:i1] * inv_s) * gn
-            torch.add(alpha[:, None], lg, alpha=gn, out=p)
-        dd = p.mul_(q)
+            r = row_dist[i0:i1] * gn
+        a[:, dim + 1].sub_(r).sub_(scale * gn)
+        dd = torch.mm(a, c.logit_rhs, out=st["p"][:m]).mul_(q)
         if need_z:
             gz = torch.mm(dd, c.wc, out=c.grad_z[i0:i1])
             gz.mul_(-2.0).addcmul_(zc, dd.sum(1, keepdim=True), value=2.0)
         if need_w:
+            acc = st["acc"]
             if g_soft is not None:
-                rb = st["r"][:2 * m]
-                rb[:m, :dim] = gs
-                rb[:m, dim] = 0.0
-                torch.mul(zc, -2.0, out=rb[m:, :dim])
-                rb[m:, dim] = 1.0
-                st["acc"].addmm_(rb.t(), qp[:2 * m])        # Gᵀq − 2 zcᵀdd ; colsum(dd)
-            else:
-                rb = st["r"][:m]
-                torch.mul(zc, -2.0, out=rb[:, :dim])
-                rb[:, dim] = 1.0
-                st["acc"].addmm_(rb.t(), dd)
+                acc[:dim].addmm_(gs.t(), q)                      # Gᵀq
+            rb = st["r"][:m]
+            torch.mul(zc, -2.0, out=rb[:, :dim])
+            rb[:, dim] = 1.0
+            acc.addmm_(rb.t(), dd)                               # −2 zcᵀdd ; colsum(dd)
 
     def finish(c, states):
         grad_w = None
@@ -454,7 +440,7 @@ class DDCLFunction(torch.autograd.Function):
     Only ẑ and L_q are differentiable (ols/variance/soft_counts are reported detached).
     ``codebook_only``: z gets no gradient and ẑ is not differentiable (straight-through
     mode); the codebook gradient of L_q is formed during forward, nothing N×K is kept.
-    ``store``: keep the N×K logits −d/s for backward ("fused") or recompute them ("chunked").
+    ``store``: keep the N×K assignments q for backward ("fused") or recompute them ("chunked").
     """
 
     @staticmethod
@@ -463,13 +449,13 @@ class DDCLFunction(torch.autograd.Function):
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_needed = need_w if codebook_only else (need_z or need_w)
         eager = codebook_only and need_w
-        store_logits = store and grad_needed and not codebook_only
-        soft, indices, (dist, ols, var), counts, st = _forward(z, w, scale, rows, store_logits, eager)
+        store_q = store and grad_needed and not codebook_only
+        soft, indices, (dist, ols, var), counts, st = _forward(z, w, scale, rows, store_q, eager)
         ctx.scale, ctx.rows, ctx.codebook_only = scale, rows, codebook_only
         if eager:
             ctx.save_for_backward(st["codebook_grad"])
         elif grad_needed:
-            saved = (z, w, st["soft_c"], st["row_dist"]) + ((st["logits"],) if store_logits else ())
+            saved = (z, w, st["soft_c"], st["row_dist"]) + ((st["q"],) if store_q else ())
             ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
         # one call: each call replaces the set of non-differentiable outputs
@@ -490,9 +476,9 @@ class DDCLFunction(torch.autograd.Function):
             return nothing
         saved = ctx.saved_tensors
         z, w, soft_c, row_dist = saved[:4]
-        logits = saved[4] if len(saved) > 4 else None
+        q = saved[4] if len(saved) > 4 else None
         with torch.autocast(device_type=z.device.type, enabled=False):
-            grad_z, grad_w = _backward(z, w, ctx.scale, ctx.rows, logits, soft_c, row_dist,
+            grad_z, grad_w = _backward(z, w, ctx.scale, ctx.rows, q, soft_c, row_dist,
                                        g_soft, g_dist, need_z, need_w)
         return grad_z, grad_w, None, None, None, None
 
