@@ -41,6 +41,8 @@ class BenchOptions:
                                             default_text="75% of MemAvailable")
     memory: str = option("rss", "peak-memory method (rss: in-process VmHWM reset per probe)")
     threads: Optional[int] = option(None, "torch threads", default_text="torch's default")
+    device: str = option("cpu", "measure on this device: cpu, or cuda (the current GPU; memory is then the CUDA "
+                                "allocator's peak above the inputs)")
     no_e2e: bool = option(False, "skip the VQ-VAE training-step comparison")
     no_progress: bool = option(False, "no progress bar")
     dry_run: bool = option(False, "print the plan (estimated seconds and memory, runs, skips) and exit without "
@@ -57,7 +59,7 @@ OPTIONS = Options(
     epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
            "in memory or in --max-seconds is skipped and listed with the reason.\n"
            "Example: ddcl-vq bench --quick --json bench.json",
-    rules=Rules(choices={"impls": tuple(IMPLS), "memory": ("rss", "subprocess", "none")},
+    rules=Rules(choices={"impls": tuple(IMPLS), "memory": ("rss", "subprocess", "none"), "device": ("cpu", "cuda")},
                 positive={"repeats", "max_seconds", "budget_seconds", "max_memory_gb"},
                 non_negative={"warmup", "threads"}),
     presets={"quick": {"repeats": 2, "max_seconds": 20.0, "budget_seconds": 5.0}})
@@ -81,6 +83,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return probe_main(name, int(n), int(d), int(k))
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("option --device cuda: no CUDA device is available here (torch.cuda.is_available() is "
+                          "False); use --device cpu")
+    if device == "cuda" and args.memory == "subprocess":
+        raise ConfigError("option --memory subprocess measures host memory; with --device cuda use rss (the CUDA "
+                          "allocator's peak is then measured) or none")
     quick = args.quick
     if args.shapes:
         shapes = [parse_shape(s) for s in args.shapes]
@@ -92,8 +101,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     warmup, repeats, max_seconds, budget = args.warmup, args.repeats, args.max_seconds, args.budget_seconds
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
     if args.dry_run:
-        cal = calibrate()
-        mb = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
+        cal = calibrate(device)
+        mb = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
         plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                                   budget_seconds=budget, mem_budget=mb, cal=cal, probe_warmup=quick)
         total = 0.0
@@ -109,14 +118,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
                      e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
-                     e2e_reference=not quick, progress=not args.no_progress, probe_warmup=quick)
+                     e2e_reference=not quick, progress=not args.no_progress, probe_warmup=quick, device=device)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
     end_load = load_average()
     if end_load is not None:
         meta["loadavg_end"] = end_load
-    print(f"ddcl-vq bench — {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
+    meta["device"] = device
+    on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
+    print(f"ddcl-vq bench — {on}{meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
           f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")
     if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:
         print("warning: the load average exceeded the core count: other jobs shared the CPU, so absolute times are "

@@ -49,12 +49,17 @@ FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chun
                  "ddcl-mstep": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
 
 
-def calibrate() -> float:
-    """Seconds per flop of a D=64 matmul (median of 5 runs of 4096×64 · 64×4096)."""
-    a, b = torch.randn(4096, 64), torch.randn(64, 4096)
-    out = torch.empty(4096, 4096)
-    torch.mm(a, b, out=out)
-    return statistics.median(time_once(lambda: torch.mm(a, b, out=out)) for _ in range(5)) / (2 * 4096 * 64 * 4096)
+def calibrate(device: str = "cpu") -> float:
+    """Seconds per flop of a D=64 matmul on ``device`` (median of 5 runs of 4096×64 · 64×4096)."""
+    a, b = torch.randn(4096, 64, device=device), torch.randn(64, 4096, device=device)
+    out = torch.empty(4096, 4096, device=device)
+
+    def run():
+        torch.mm(a, b, out=out)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+    run()
+    return statistics.median(time_once(run) for _ in range(5)) / (2 * 4096 * 64 * 4096)
 
 
 def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float, float]:

@@ -58,7 +58,30 @@ class RssProbe:
         return max(0, (_status_kb("VmHWM") or 0) - self.base_kb) / 1024.0
 
 
-def available_memory_bytes() -> int:
+class CudaProbe:
+    """Peak extra CUDA memory of a block of code, in MiB: torch's allocator high-water mark
+    (``max_memory_allocated``, reset per probe) above what was allocated at ``start``."""
+
+    def __init__(self, device="cuda"):
+        import torch
+        self.torch, self.device, self.base = torch, torch.device(device), 0
+
+    def start(self) -> None:
+        gc.collect()
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = self.torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> float:
+        self.torch.cuda.synchronize(self.device)
+        return max(0, self.torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+
+
+def available_memory_bytes(device: str = "cpu") -> int:
+    """Free memory on ``device``: MemAvailable on the CPU, the free GPU memory on CUDA."""
+    if device != "cpu":
+        import torch
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:

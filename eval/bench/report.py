@@ -48,4 +48,6 @@ MEMORY_TEXT = {
            "      warm-up unless the note says it was the warm-up run or a single cold run.",
     "subprocess": "ru_maxrss growth of one run in a fresh Python process, inputs allocated first.",
     "none": "not measured (--memory none).",
+    "cuda": "CUDA allocator high-water mark (torch.cuda.max_memory_allocated, reset per probe) above what was\n"
+            "      allocated before the run (inputs, parameters, upstream gradients); one probed run as for rss.",
 }

@@ -7,11 +7,13 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cost import FLOOR_MATMULS, Plan, calibrate, plan_measurements, time_once
-from .memory import RssProbe, available_memory_bytes, probe_subprocess
+from .memory import CudaProbe, RssProbe, available_memory_bytes, probe_subprocess
 from .steps import e2e_rows, make_inputs, make_step
 
-def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progress=None) -> List[dict]:
-    """Measure every runnable plan of one shape, round-robin; returns result rows."""
+def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progress=None,
+              device: str = "cpu") -> List[dict]:
+    """Measure every runnable plan of one shape, round-robin, on ``device``; returns result rows.
+    ``memory``: "rss" (CPU), "cuda" (the CUDA allocator's peak), "subprocess" or "none"."""
     n, d, k = shape
     rows = []
     live = [p for p in plans if p.skip is None]
@@ -23,12 +25,13 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
                 progress.update(1)
     if not live:
         return rows
-    inp = make_inputs(n, d, k)
+    inp = make_inputs(n, d, k, device=device)
     steps: Dict[str, Callable[[], None]] = {}
     times: Dict[str, List[float]] = {p.name: [] for p in live}
     peak: Dict[str, Optional[float]] = {p.name: None for p in live}
     errors: Dict[str, str] = {}
-    probe = RssProbe() if memory == "rss" else None
+    probe = RssProbe() if memory == "rss" else CudaProbe(device) if memory == "cuda" else None
+    probed = probe is not None
     for p in live:
         try:
             steps[p.name] = make_step(p.name, inp)
@@ -38,13 +41,13 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
     # warm-up (first calls pay one-time costs), then the memory probe, then timed rounds
     for p in live:
         for i in range(p.warmup):
-            if memory == "rss" and p.probe == "warmup" and i == p.warmup - 1:
+            if probed and p.probe == "warmup" and i == p.warmup - 1:
                 probe.start()
                 steps[p.name]()
                 peak[p.name] = probe.stop()
             else:
                 steps[p.name]()
-        if memory == "rss" and p.probe == "separate":
+        if probed and p.probe == "separate":
             probe.start()
             steps[p.name]()
             peak[p.name] = probe.stop()
@@ -54,7 +57,7 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         for p in live:
             if r >= p.repeats:
                 continue
-            if memory == "rss" and p.probe == "timed":
+            if probed and p.probe == "timed":
                 probe.start()                 # single cold run: time and memory from the same run
                 times[p.name].append(time_once(steps[p.name]))
                 peak[p.name] = probe.stop()
@@ -80,12 +83,16 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
               e2e_batch: int = 128, e2e_reference: bool = True, progress: bool = False,
-              calibration: Optional[float] = None, probe_warmup: bool = False) -> List[dict]:
-    """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step); returns rows with ratios."""
+              calibration: Optional[float] = None, probe_warmup: bool = False,
+              device: str = "cpu") -> List[dict]:
+    """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step) on ``device`` ("cpu" or
+    "cuda"); returns rows with ratios. On CUDA memory is the allocator's peak (method "cuda")."""
+    if device != "cpu" and memory != "none":
+        memory = "cuda"
     if memory == "rss" and not RssProbe.available():
         memory = "subprocess"
-    cal = calibrate() if calibration is None else calibration
-    mem_budget = 0.75 * available_memory_bytes() if mem_budget is None else mem_budget
+    cal = calibrate(device) if calibration is None else calibration
+    mem_budget = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                               budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal,
                               probe_warmup=probe_warmup)
@@ -97,14 +104,16 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     for shape in dict.fromkeys(p.shape for p in plans):
         if bar is not None:
             bar.set_postfix_str(f"N={shape[0]} D={shape[1]} K={shape[2]}")
-        rows += run_shape(shape, [p for p in plans if p.shape == shape], memory, bar)
+        rows += run_shape(shape, [p for p in plans if p.shape == shape], memory, bar, device)
     if bar is not None:
         bar.close()
     add_ratios(rows)
     if e2e:
-        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference)
+        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference,
+                         device=device)
     for r in rows:
         r["memory_method"] = memory
+        r["device"] = device
     return rows
 
 

@@ -20,22 +20,36 @@ class Inputs:
     codebook: torch.Tensor
 
 
-def make_inputs(n: int, d: int, k: int, seed: int = 0) -> Inputs:
+def make_inputs(n: int, d: int, k: int, seed: int = 0, device: str = "cpu") -> Inputs:
+    """The same values on every device (drawn on the CPU, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, d, generator=g).requires_grad_(True)
-    return Inputs(z=z, grad=torch.randn(n, d, generator=g), codebook=torch.randn(k, d, generator=g))
+    z = torch.randn(n, d, generator=g).to(device).requires_grad_(True)
+    return Inputs(z=z, grad=torch.randn(n, d, generator=g).to(device), codebook=torch.randn(k, d, generator=g).to(device))
+
+
+def synchronized(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` followed by a device synchronisation on CUDA (so wall clock measures the work)."""
+    if device.type != "cuda":
+        return step
+
+    def run():
+        step()
+        torch.cuda.synchronize(device)
+    return run
 
 
 def make_step(name: str, inp: Inputs) -> Callable[[], None]:
-    """A closure that runs one forward + backward of ``name`` on the shared inputs."""
+    """A closure that runs one forward + backward of ``name`` on the shared inputs (on their
+    device; on CUDA the closure ends with a synchronisation)."""
     n, d = inp.z.shape
     k = inp.codebook.shape[0]
+    device = inp.z.device
     if name == "matmul6":
         z, w, gr = inp.z.detach(), inp.codebook, inp.grad
-        q = torch.rand(n, k)
-        p = torch.zeros(n, k)                  # touched now: no page faults inside the timed run
-        out_nd = torch.zeros(n, d)
-        out_kd = torch.zeros(k, d)
+        q = torch.rand(n, k, device=device)
+        p = torch.zeros(n, k, device=device)   # touched now: no page faults inside the timed run
+        out_nd = torch.zeros(n, d, device=device)
+        out_kd = torch.zeros(k, d, device=device)
 
         def step():
             torch.mm(z, w.t(), out=p)          # forward: logits
@@ -49,26 +63,26 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
     if name == "ddcl-mstep":
         quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1)   # the library default
-        quant.weight.data.copy_(inp.codebook)
+        quant.weight.data.copy_(inp.codebook.cpu())
     elif name.startswith("ddcl"):
         parts = name.split("-")
         mode = "soft" if parts[1] == "soft" else "straight_through"
         impl = parts[-1]
         quant = DDCLQuantizer(k, d, mode=mode, implementation=impl, codebook_init="normal", channel_dim=-1,
                               codebook_update="gradient", temperature_reference="dim", temperature=0.01)
-        quant.weight.data.copy_(inp.codebook)
+        quant.weight.data.copy_(inp.codebook.cpu())
     elif name == "hardvq":
         quant = HardVQ(k, d, channel_dim=-1)
-        quant.weight.data.copy_(inp.codebook)
+        quant.weight.data.copy_(inp.codebook.cpu())
     elif name == "emavq":
         quant = EMAVQ(k, d, channel_dim=-1)
-        quant.embed.copy_(inp.codebook)
+        quant.embed.copy_(inp.codebook.cpu())
     elif name == "vqp":
         quant = VQPQuantizer(k, d, channel_dim=-1)
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
-    quant.train()
-    one = torch.ones(())
+    quant.to(device).train()
+    one = torch.ones((), device=device)
     z, gr = inp.z, inp.grad
 
     def step():
@@ -77,10 +91,11 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         z.grad = None
         for p in quant.parameters():
             p.grad = None
-    return step
+    return synchronized(step, device)
 
 
-def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True) -> List[dict]:
+def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True,
+             device: str = "cpu") -> List[dict]:
     """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ.
 
     Models: configs/fashion_ddcl.yaml (the library default: straight_through, M-step codebook)
@@ -122,10 +137,10 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
         ref_model.quantizer.implementation = "reference"
         ref_opt = type(models["ddcl"][1])(ref_model.parameters(), lr=2e-3)
         models["ddcl-reference"] = (ref_model, ref_opt, models["ddcl"][2])
-    x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
 
     def make(model, opt, weight):
-        model.train()
+        model.to(device).train()
 
         def step():
             out = model(x)
@@ -133,7 +148,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        return step
+        return synchronized(step, torch.device(device))
 
     steps = {label: make(*v) for label, v in models.items()}
     for s in steps.values():
