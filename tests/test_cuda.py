@@ -251,3 +251,11 @@ def test_bench_device_cuda_has_the_same_rows_as_cpu(tmp_path):
            [(r["impl"], r["N"], r["D"], r["K"]) for r in rows["cuda"]]
     assert all(r["device"] == "cuda" and r["memory_method"] == "cuda" for r in rows["cuda"])
     assert all(r["ms"] > 0 for r in rows["cuda"] if not r.get("skipped"))
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message a machine without a GPU gives")
+def test_bench_device_cuda_without_gpu_is_a_one_line_error(capsys):
+    from ddcl_vq.eval.bench.cli import main as bench_main
+    assert bench_main(["--quick", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device cuda" in err and "no CUDA device" in err
