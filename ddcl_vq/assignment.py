@@ -48,8 +48,10 @@ distortion = ols + variance holds to rounding.
 """
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -59,7 +61,8 @@ from .base import squared_distances
 from .cpu_pool import run_blocks
 
 __all__ = ["IMPLEMENTATIONS", "Assignment", "assign", "SoftStatistics", "soft_statistics", "DDCLFunction", "block_rows",
-           "chunk_rows", "first_argmax", "first_argmin", "first_min", "statistics_rows"]
+           "chunk_rows", "first_argmax", "first_argmin", "first_min", "statistics_rows", "set_buffer_reuse",
+           "release_buffers"]
 
 #: how an assignment can be computed (the quantizer adds ``"auto"``: its own choice per batch)
 IMPLEMENTATIONS = ("reference", "fused", "chunked")
@@ -304,6 +307,81 @@ def _pick_softmax():
 _softmax = _pick_softmax()
 
 
+# ----------------------------------------------------------------------------- q buffer reuse (CPU)
+
+#: The fused path keeps q (N×K) from forward to backward. On the CPU a fresh N×K tensor costs a
+#: page fault per 4 KiB page on first touch (measured on a 2-core VM: 0.19 s for N = K = 8192, as
+#: much as everything but the matmuls), so once backward is done with q its memory is kept for the
+#: next forward of the same or a smaller size: at most ``REUSE_MAX_BUFFERS`` buffers per dtype of at
+#: most ``REUSE_MAX_BYTES`` each, held between steps (what one step allocates anyway).
+#: ``set_buffer_reuse(False)`` (or ``DDCL_VQ_REUSE_BUFFERS=0`` at import) turns it off;
+#: ``release_buffers()`` frees what is held. Never on a GPU (its caching allocator does this).
+#: A buffer is only taken back when the backward pass frees the graph (not under retain_graph or
+#: create_graph), so a graph that is kept never shares its q with a later forward.
+REUSE_MAX_BYTES = 1 << 30
+REUSE_MAX_BUFFERS = 2
+_REUSE = os.environ.get("DDCL_VQ_REUSE_BUFFERS", "1").strip().lower() not in ("0", "false", "no", "off")
+_SPARE: Dict[torch.dtype, List[Tensor]] = {}
+_SPARE_LOCK = threading.Lock()
+
+
+def set_buffer_reuse(enabled: bool) -> bool:
+    """Keep the fused path's q buffer between steps on the CPU (True, the default) or not.
+    Returns the previous setting; turning it off frees what is held."""
+    global _REUSE
+    previous, _REUSE = _REUSE, bool(enabled)
+    if not _REUSE:
+        release_buffers()
+    return previous
+
+
+def release_buffers() -> int:
+    """Free the q buffers held for reuse; returns the bytes freed."""
+    with _SPARE_LOCK:
+        freed = sum(b.numel() * b.element_size() for bufs in _SPARE.values() for b in bufs)
+        _SPARE.clear()
+    return freed
+
+
+def _graph_is_freed_after_backward() -> bool:
+    """True inside a backward pass that frees the graph (no retain_graph/create_graph); False when
+    it is kept or this torch cannot tell."""
+    probe = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
+    try:
+        return probe is not None and not probe()
+    except Exception:  # noqa: BLE001 - any doubt: do not reuse
+        return False
+
+
+def _new_q(n: int, k: int, like: Tensor) -> Tensor:
+    """An (n, k) tensor for q: a held buffer when one fits (CPU), else a new one."""
+    if _REUSE and like.device.type == "cpu":
+        with _SPARE_LOCK:
+            bufs = _SPARE.get(like.dtype, [])
+            fits = [i for i, b in enumerate(bufs) if b.numel() >= n * k]
+            if fits:
+                buf = bufs.pop(min(fits, key=lambda i: bufs[i].numel()))
+                return buf[: n * k].view(n, k)
+    return like.new_empty(n, k)
+
+
+def _hold_q(q: Tensor) -> None:
+    """Keep q's memory for a later forward (called by backward when it is done with q)."""
+    if not _REUSE or q.device.type != "cpu" or not _graph_is_freed_after_backward():
+        return
+    flat = q if q._base is None else q._base
+    if not flat.is_contiguous() or flat.numel() * flat.element_size() > REUSE_MAX_BYTES:
+        return
+    flat = flat.view(-1)
+    with _SPARE_LOCK:
+        bufs = _SPARE.setdefault(flat.dtype, [])
+        if any(b.data_ptr() == flat.data_ptr() for b in bufs):
+            return
+        bufs.append(flat)
+        bufs.sort(key=Tensor.numel, reverse=True)
+        del bufs[REUSE_MAX_BUFFERS:]                        # keep the largest
+
+
 def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_q: bool, eager_codebook_grad: bool):
     n, dim = z.shape
     k = w.shape[0]
@@ -317,7 +395,7 @@ def _forward(z: Tensor, w: Tensor, scale: float, rows: int, store_q: bool, eager
         c.row_ols = z.new_empty(n)                  # ‖zc − ẑc‖² per row
         c.row_var = z.new_empty(n)                  # max(Σ_k q ‖wc‖² − ‖ẑc‖², 0) per row
         c.row_dist = z.new_empty(n)                 # Σ_k q d = ols + variance per row
-        c.q_all = z.new_empty(n, k) if store_q else None
+        c.q_all = _new_q(n, k, z) if store_q else None
         return c
 
     def make_state(c):
@@ -480,6 +558,9 @@ class DDCLFunction(torch.autograd.Function):
         with torch.autocast(device_type=z.device.type, enabled=False):
             grad_z, grad_w = _backward(z, w, ctx.scale, ctx.rows, q, soft_c, row_dist,
                                        g_soft, g_dist, need_z, need_w)
+        if q is not None:
+            del saved
+            _hold_q(q)                # the graph is freed after this backward: q's memory is free
         return grad_z, grad_w, None, None, None, None
 
 

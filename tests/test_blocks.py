@@ -111,3 +111,75 @@ def test_soft_statistics_do_not_depend_on_block_rows():
             assert torch.equal(s.indices, runs[0].indices)
             for name in ("nearest", "mass", "sums", "distortion", "ols", "variance"):
                 assert torch.allclose(getattr(s, name), getattr(runs[0], name), rtol=1e-11, atol=1e-12), name
+
+
+# ----------------------------------------------------------------------------- q buffer reuse (CPU)
+
+
+def _soft_step(z, w, up, **kw):
+    zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    a = assign(zz, ww, 0.3, implementation="fused", **kw)
+    return a, zz, ww, (a.soft * up).sum() + 2.0 * a.distortion
+
+
+def test_fused_q_buffer_is_reused_only_after_the_graph_is_freed():
+    torch.manual_seed(0)
+    z, w, up = torch.randn(300, 6), torch.randn(40, 6), torch.randn(300, 6)
+    previous = assignment.set_buffer_reuse(True)
+    try:
+        assignment.release_buffers()
+        a, zz, ww, loss = _soft_step(z, w, up)
+        loss.backward()
+        held = assignment._SPARE[torch.float32]
+        assert len(held) == 1 and held[0].numel() == 300 * 40
+        ptr = held[0].data_ptr()
+        first = (a.soft.detach(), zz.grad, ww.grad)
+        # the next step of the same (or a smaller) size takes it: same results
+        a, zz, ww, loss = _soft_step(z, w, up)
+        assert not assignment._SPARE[torch.float32]
+        loss.backward()
+        assert assignment._SPARE[torch.float32][0].data_ptr() == ptr
+        for x, y in zip(first, (a.soft.detach(), zz.grad, ww.grad)):
+            assert torch.equal(x, y)
+        # retain_graph: the graph keeps its q, nothing is handed back, and a later forward in
+        # between does not disturb the second backward
+        assignment.release_buffers()
+        a, zz, ww, loss = _soft_step(z, w, up)
+        loss.backward(retain_graph=True)
+        assert not assignment._SPARE.get(torch.float32)
+        g1 = (zz.grad.clone(), ww.grad.clone())
+        zz.grad, ww.grad = None, None
+        b, zb, wb, loss_b = _soft_step(z.flip(0), w, up)    # another step meanwhile
+        loss_b.backward()
+        c, zc, wc, loss_c = _soft_step(z.flip(0), w, up)    # takes the buffer loss_b handed back
+        assert not assignment._SPARE.get(torch.float32)
+        loss.backward()
+        assert torch.equal(zz.grad, g1[0]) and torch.equal(ww.grad, g1[1])
+        # two graphs alive at once: each has its own q
+        a1, z1, w1, l1 = _soft_step(z, w, up)
+        a2, z2, w2, l2 = _soft_step(z * 2, w, up)
+        (l1 + l2).backward()
+        assert torch.equal(z1.grad, first[1]) and torch.equal(w1.grad, first[2])
+    finally:
+        assignment.set_buffer_reuse(previous)
+
+
+def test_buffer_reuse_switch_frees_and_gives_the_same_results():
+    torch.manual_seed(0)
+    z, w, up = torch.randn(200, 5, dtype=torch.float64), torch.randn(30, 5, dtype=torch.float64), \
+        torch.randn(200, 5, dtype=torch.float64)
+    results = []
+    previous = assignment.set_buffer_reuse(True)
+    try:
+        for enabled in (True, True, False):
+            assignment.set_buffer_reuse(enabled)
+            a, zz, ww, loss = _soft_step(z, w, up)
+            loss.backward()
+            results.append((a.soft.detach(), a.distortion.detach(), zz.grad, ww.grad))
+            assert bool(assignment._SPARE.get(torch.float64)) is enabled
+        assert assignment.release_buffers() == 0           # turning it off freed what was held
+    finally:
+        assignment.set_buffer_reuse(previous)
+    for run in results[1:]:
+        for x, y in zip(results[0], run):
+            assert torch.equal(x, y)
