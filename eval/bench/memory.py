@@ -19,11 +19,19 @@ def _status_kb(field: str) -> Optional[int]:
     return None
 
 
+def release_held_buffers() -> None:
+    """Free what the DDCL fused path keeps between steps (its q buffer), so that a probed run
+    counts that memory as its own instead of finding it in the baseline."""
+    from ddcl_vq.assignment import release_buffers
+    release_buffers()
+
+
 class RssProbe:
     """Peak extra resident memory of a block of code, in MiB (Linux only).
 
-    start(): collect garbage, give freed heap back to the OS (malloc_trim), reset the
-    high-water mark (write "5" to /proc/self/clear_refs) and read VmRSS as the baseline.
+    start(): free the DDCL fused path's held q buffer, collect garbage, give freed heap back to
+    the OS (malloc_trim), reset the high-water mark (write "5" to /proc/self/clear_refs) and read
+    VmRSS as the baseline.
     stop(): VmHWM − baseline.
     """
 
@@ -47,6 +55,7 @@ class RssProbe:
             return False
 
     def start(self) -> None:
+        release_held_buffers()
         gc.collect()
         if self._libc is not None:
             self._libc.malloc_trim(0)
@@ -67,6 +76,7 @@ class CudaProbe:
         self.torch, self.device, self.base = torch, torch.device(device), 0
 
     def start(self) -> None:
+        release_held_buffers()
         gc.collect()
         self.torch.cuda.synchronize(self.device)
         self.torch.cuda.reset_peak_memory_stats(self.device)
