@@ -7,12 +7,15 @@ to float rounding):
 * ``"reference"``: plain autograd, several N×K tensors kept for backward; the only path that
   returns the assignment matrix q (and keeps ``ols``/``variance`` differentiable);
 * ``"fused"``: rows in blocks, each N×K block produced, used and dropped while it is still in
-  cache, with the backward written out by hand (:class:`DDCLFunction`); keeps the N×K logits;
+  cache, with the backward written out by hand (:class:`DDCLFunction`); keeps the N×K
+  assignments q (on the CPU their buffer is reused from step to step, see ``set_buffer_reuse``);
 * ``"chunked"``: like fused, but recomputes each block in backward: extra memory O(chunk·K).
 
 Users: :class:`~ddcl_vq.DDCLQuantizer` (which chooses the implementation per batch) and
 :class:`~ddcl_vq.DDCLReadout` (reference path). This module imports neither; on CPU the
-blocks of one call run on :mod:`ddcl_vq.cpu_pool`.
+blocks of one call run on :mod:`ddcl_vq.cpu_pool`. Block sizes follow the device
+(:func:`block_rows`): cache-sized on the CPU, the whole batch on a GPU while a block's N×K
+tensors fit :data:`DEVICE_BLOCK_BUDGET_BYTES`.
 
 Math (z_i ∈ R^D, W ∈ R^{K×D}, s = τ·D the softmax divisor; z and W are centred on the
 codebook mean first, distances being translation invariant, so that large common offsets do
@@ -32,6 +35,13 @@ the gradient reaching d is
     ∂/∂z_i = 2 Σ_k dd_ik (z_i − w_k)                = 2 (rowsum(dd)_i z_i − (dd W)_i)
     ∂/∂w_k = −2 Σ_i dd_ik (z_i − w_k) + (qᵀG)_k     = −2 (ddᵀZ)_k + 2 colsum(dd)_k w_k + (qᵀG)_k
 
+with rowsum(dd)_i = g/N exactly (the Jacobian's part sums to zero over k). dd = q ⊙ b, and b
+comes out of one matmul against the forward's own logit operand (d expanded as
+‖zc‖² − 2 zc·wc + ‖wc‖², its (g/N)·d/s part folded into the row coefficients), so backward
+needs q but not the logits: fused keeps q and runs no softmax and no N×K add in backward;
+chunked recomputes q per block. Σ_k q_ik d_ik per row is ‖zc_i − ẑc_i‖² + (Σ_k q_ik ‖wc_k‖² −
+‖ẑc_i‖²) (the decomposition itself), from N×D and K-vector products: no pass over N×K.
+
 Matmuls: two forward (Z Wᵀ, q W), four backward (G Wᵀ, dd W, ddᵀ Z, qᵀ G) — the floor
 for the full gradient. ``codebook_only`` (the ``straight_through`` mode: the assignment
 sees sg(z), only the distortion is differentiated, only w gets gradient) needs a single
@@ -42,9 +52,9 @@ The blocked paths produce the same values as the reference path up to float roun
 centring, same clamped expansion ‖z‖² − 2 z·w + ‖w‖² (here summed inside one augmented
 matmul), same stable softmax kernel; hard indices are the first minimum of the computed
 distances (an exact argmin; only codes tied to within rounding can come out differently from
-the reference's own rounding); the reported terms are computed as in the reference
-(distortion = Σ q d, ols = ‖z − ẑ‖², variance = Σ q‖w‖² − ‖ẑ‖² clamped at 0), so
-distortion = ols + variance holds to rounding.
+the reference's own rounding); the reported terms are ols = ‖z − ẑ‖² and variance =
+Σ q‖w‖² − ‖ẑ‖² clamped at 0, as in the reference, and distortion = ols + variance per row
+(the reference sums q·d; equal to rounding).
 """
 from __future__ import annotations
 
@@ -488,8 +498,10 @@ def _backward(z: Tensor, w: Tensor, scale: float, rows: int, q_all: Optional[Ten
         a[:, dim + 1].sub_(r).sub_(scale * gn)
         dd = torch.mm(a, c.logit_rhs, out=st["p"][:m]).mul_(q)
         if need_z:
+            # ∂/∂z_i = 2 (rowsum(dd)_i zc_i − (dd wc)_i), and rowsum(dd)_i = g/N exactly (the softmax
+            # Jacobian's rows sum to zero): no N×K row sum
             gz = torch.mm(dd, c.wc, out=c.grad_z[i0:i1])
-            gz.mul_(-2.0).addcmul_(zc, dd.sum(1, keepdim=True), value=2.0)
+            gz.mul_(-2.0).add_(zc, alpha=2.0 * gn)
         if need_w:
             acc = st["acc"]
             if g_soft is not None:
