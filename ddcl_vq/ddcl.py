@@ -146,7 +146,8 @@ class DDCLQuantizer(Quantizer):
             one N×K tensor kept (none in ``straight_through`` mode); ``"chunked"``: like fused but
             recomputes per block in backward, extra memory O(chunk_size·K); ``"auto"`` (default):
             fused, or chunked when the N×K tensor fused would keep exceeds ``chunk_threshold_bytes``.
-        chunk_size: rows per block for fused/chunked (default: about 2**18 / K rows, 64 to 1024).
+        chunk_size: rows per block for fused/chunked (default :func:`ddcl_vq.assignment.block_rows`:
+            on the CPU about 2**18 / K rows, 64 to 1024; on a GPU the whole batch within a 1 GiB budget).
         chunk_threshold_bytes: the ``"auto"`` switch point (default 64 MiB, e.g. N·K = 16M in
             float32). Measured on a 2-core CPU: at D = 64 recomputing the logits per block is
             about as fast as keeping them; at D = 256 keeping them is ~15% faster; above the
