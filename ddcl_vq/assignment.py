@@ -88,7 +88,7 @@ MAX_CHUNK_ROWS = 1024
 #: launches per op. Read at each call, so it can be changed at run time.
 DEVICE_BLOCK_BUDGET_BYTES = 1 << 30
 #: N×K-sized tensors one block of the fused/chunked paths holds at once (the chunked backward:
-#: [q ; dd] stacked and the recomputed logits), plus one for the softmax's own temporaries.
+#: the recomputed logits, q and dd), plus one for the softmax's own temporaries.
 BLOCK_LIVE_TENSORS = 4
 #: block width for the exact two-level argmin (see :func:`first_argmin`).
 _ARGMIN_BLOCK = 128
@@ -103,8 +103,8 @@ def block_rows(device_type: str, num_rows: int, num_codes: int, *, itemsize: int
     * ``chunk_size`` given: that (at most ``num_rows``), whatever the device.
     * ``device_type == "cpu"``: cache-sized blocks, ≈ ``cache_elements`` / K rows within
       ``MIN_CHUNK_ROWS`` .. ``max_cache_rows``.
-    * any other device (``"cuda"`` …): the whole batch in one block while ``live_tensors`` rows ×
-      K × ``itemsize`` bytes per row fit ``memory_budget_bytes`` (default
+    * any other device (``"cuda"`` …): the whole batch in one block while its ``live_tensors``
+      (rows × K) tensors of ``itemsize`` bytes fit ``memory_budget_bytes`` (default
       :data:`DEVICE_BLOCK_BUDGET_BYTES`, 1 GiB); above it, the fewest equal blocks that fit (at
       least one row each).
 
