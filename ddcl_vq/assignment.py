@@ -61,7 +61,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -129,30 +129,45 @@ def chunk_rows(num_rows: int, num_codes: int, chunk_size: Optional[int] = None) 
     return block_rows("cpu", num_rows, num_codes, chunk_size=chunk_size)
 
 
-def first_argmax(x: Tensor) -> Tensor:
-    """``x.argmax(1)`` for a (rows, K) matrix, exactly (first maximal index), but faster.
+def _first_extreme(x: Tensor, largest: bool) -> Tuple[Tensor, Tensor]:
+    """``x.max(1)`` / ``x.min(1)`` of a (rows, K) matrix (values, first extreme index), exactly,
+    but faster on the CPU.
 
-    ``argmax`` along a row is not vectorised on CPU (≈1 ns per element, as much as a
-    matmul's share); ``amax`` is. Block maxima over groups of ``_ARGMIN_BLOCK`` columns,
-    the first block holding the row maximum, then argmax inside that one block: the same
-    index as the plain argmax (ties go to the first), for a fraction of the cost.
+    A reduction with its index along a row is not vectorised on the CPU (≈1 ns per element, as
+    much as a matmul's share); ``amax``/``amin`` are. Block extremes over groups of
+    ``_ARGMIN_BLOCK`` columns, the first block holding the row's extreme, then the indexed
+    reduction inside that one block only: the same value and index (ties go to the first).
     """
     rows, k = x.shape
     b = _ARGMIN_BLOCK
     nb = k // b
     if nb < 2 or not x.is_contiguous() or x.device.type != "cpu":
-        return x.argmax(1)
-    block_max = x[:, : nb * b].view(rows, nb, b).amax(2)
+        return x.max(1) if largest else x.min(1)
+    head = x[:, : nb * b].view(rows, nb, b)
+    block = head.amax(2) if largest else head.amin(2)
     if nb * b < k:
-        block_max = torch.cat([block_max, x[:, nb * b:].amax(1, keepdim=True)], 1)
-    start = block_max.argmax(1) * b
+        tail = x[:, nb * b:]
+        block = torch.cat([block, tail.amax(1, keepdim=True) if largest else tail.amin(1, keepdim=True)], 1)
+    start = (block.argmax(1) if largest else block.argmin(1)).mul_(b)
     cols = (start[:, None] + torch.arange(b, device=x.device)).clamp_max_(k - 1)
-    return start + x.gather(1, cols).argmax(1)
+    inside = x.gather(1, cols)
+    values, offset = inside.max(1) if largest else inside.min(1)
+    return values, start.add_(offset)
+
+
+def first_argmax(x: Tensor) -> Tensor:
+    """``x.argmax(1)`` for a (rows, K) matrix, exactly (first maximal index), but faster on the CPU."""
+    return _first_extreme(x, True)[1]
+
+
+def first_min(d: Tensor) -> Tuple[Tensor, Tensor]:
+    """``d.min(1)`` (values, first minimal index) exactly, but faster on the CPU."""
+    return _first_extreme(d, False)
 
 
 def first_argmin(d: Tensor) -> Tensor:
-    """``d.argmin(1)`` exactly (first minimal index), via :func:`first_argmax` on −d."""
-    return first_argmax(d.neg())
+    """``d.argmin(1)`` exactly (first minimal index), but faster on the CPU."""
+    return _first_extreme(d, False)[1]
 
 
 @dataclass
@@ -622,24 +637,6 @@ def statistics_rows(num_codes: int, device: torch.device | str = "cpu", truncate
     large = truncated or dev != "cpu"
     elements = STATISTICS_BLOCK_ELEMENTS_LARGE if large else STATISTICS_BLOCK_ELEMENTS
     return max(64, min(4096, elements // max(num_codes, 1)) // 64 * 64)
-
-
-def first_min(d: Tensor):
-    """``d.min(1)`` (values, first minimal index) exactly, but faster on the CPU: ``min`` along a
-    row is not vectorised there, ``amin`` is — block minima over groups of ``_ARGMIN_BLOCK``
-    columns, the first block holding the row minimum, then ``min`` inside that block only."""
-    rows, k = d.shape
-    b = _ARGMIN_BLOCK
-    nb = k // b
-    if nb < 2 or not d.is_contiguous() or d.device.type != "cpu":
-        return d.min(1)
-    block_min = d[:, : nb * b].view(rows, nb, b).amin(2)
-    if nb * b < k:
-        block_min = torch.cat([block_min, d[:, nb * b:].amin(1, keepdim=True)], 1)
-    start = block_min.argmin(1).mul_(b)
-    cols = (start[:, None] + torch.arange(b, device=d.device)).clamp_max_(k - 1)
-    values, offset = d.gather(1, cols).min(1)
-    return values, start.add_(offset)
 
 
 @torch.no_grad()

@@ -379,8 +379,15 @@ class DDCLQuantizer(Quantizer):
         all_reduce_sum_(totals)
         mean_nearest, variance = float(totals[0] / totals[2].clamp_min(1)), float(totals[1] / totals[2].clamp_min(1))
         self.distance_scale.fill_(mean_nearest if mean_nearest > 1e-6 * variance else max(0.01 * variance, 1e-12))
-        self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
-        self.cluster_usage.fill_(x.shape[0] * world_size() / self.num_codes)
+        self._restart_statistics(x.shape[0])
+
+    @torch.no_grad()
+    def _restart_statistics(self, batch_vectors: int) -> None:
+        """M-step statistics consistent with the current codes: every code holds its uniform
+        share of a batch (over all processes) and sits at its own mean."""
+        share = batch_vectors * world_size() / self.num_codes
+        self.cluster_mass.fill_(share)
+        self.cluster_usage.fill_(share)
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
 
     @torch.no_grad()
@@ -388,9 +395,7 @@ class DDCLQuantizer(Quantizer):
         """Re-fit the codebook by k-means on this batch (the encoder has left its random start):
         codes and M-step statistics restart; the distance scale and counters go on."""
         kmeans_init_(self.weight.data, x)
-        self.cluster_mass.fill_(x.shape[0] * world_size() / self.num_codes)
-        self.cluster_usage.fill_(x.shape[0] * world_size() / self.num_codes)
-        self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
+        self._restart_statistics(x.shape[0])
 
     @torch.no_grad()
     def _update_statistics(self, x: Tensor, stats: SoftStatistics) -> None:
