@@ -119,6 +119,17 @@ class DDCLQuantizer(Quantizer):
             uniform share of a batch of N vectors) is re-seeded on a batch vector drawn with
             probability ∝ its squared distance to its nearest code (k-means++ seeding: where the
             distortion is); 0 turns revival off. Counted in the ``revived`` buffer.
+        warmup_steps: quantization warm-up (default 100): during the first ``warmup_steps``
+            training forwards the decoder sees z + α·(out − z), α rising linearly from 0 to 1, where
+            out is what the mode passes on (the hard code in ``straight_through`` mode); the gradient
+            is out's (straight-through: the identity) and the M-step codebook follows the features
+            from the first batch. Measured: quantizing from the first step collapses the codebook
+            onto 1–3 codes while the young encoder's features contract, and the decoder learns from
+            near-constant input until revival spreads the codes again (perplexity 2–11 at step 25);
+            with the warm-up the autoencoder learns from the start and hard-code PSNR rose by
+            0.3–0.7 dB at K = 256 and 1024 (README). Counted by training forwards (not :meth:`step`),
+            so a host loop that never calls ``step()`` still leaves it; evaluation always quantizes.
+            0 turns it off.
         encoder_gradient: what the encoder receives through the hard code in
             ``straight_through`` mode — ``"identity"`` (default; the classic straight-through
             estimator) or ``"rotation"`` (:func:`rotate_to`).
@@ -174,7 +185,7 @@ class DDCLQuantizer(Quantizer):
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
                  revive_criterion: str = "mass", restart_step: int = 0,
-                 encoder_gradient: str = "identity",
+                 encoder_gradient: str = "identity", warmup_steps: int = 100,
                  codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
                  chunk_threshold_bytes: int = 64 * 2 ** 20):
@@ -220,6 +231,9 @@ class DDCLQuantizer(Quantizer):
         if isinstance(restart_step, bool) or not isinstance(restart_step, int) or restart_step < 0:
             raise ValueError(f"expected restart_step, an int >= 0 (0 = never), got {restart_step!r}")
         self.restart_step = restart_step
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"expected warmup_steps, an int >= 0 (0 = none), got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
         self.encoder_gradient = encoder_gradient
         self.set_schedule(temperature, temperature_final, temperature_schedule, schedule_steps)
         self._last_temperature: Optional[float] = None
@@ -237,6 +251,9 @@ class DDCLQuantizer(Quantizer):
         self.register_buffer("cluster_sums", self.weight.detach().clone())
         self.register_buffer("distance_scale", torch.zeros(()))  # 0: not measured yet
         self.register_buffer("revived", torch.zeros((), dtype=torch.long))
+        # training forwards of the warm-up so far (stops at warmup_steps); counted here, not by
+        # step(), so a host's training loop that never calls step() still leaves the warm-up
+        self.register_buffer("warmup_batches", torch.zeros((), dtype=torch.long))
 
     # ------------------------------------------------------------------ temperature schedule
     def set_schedule(self, temperature: float, temperature_final: Optional[float] = None,
@@ -332,6 +349,11 @@ class DDCLQuantizer(Quantizer):
                     "load it into DDCLQuantizer(..., codebook_update='gradient', temperature_reference='dim')")
             for key in legacy:
                 missing_keys.remove(key)
+        # a state_dict from before the warm-up existed was trained without one: take it as done
+        batches_key = prefix + "warmup_batches"
+        if batches_key in missing_keys:
+            missing_keys.remove(batches_key)
+            self.warmup_batches.fill_(self.warmup_steps)
         # a state_dict from before the schedule was saved: keep the constructor's schedule
         step_key = prefix + "schedule_step"
         if step_key in missing_keys:
@@ -468,6 +490,12 @@ class DDCLQuantizer(Quantizer):
                 self._initialize(x.detach())
             if learn and self.restart_step and int(self.schedule_step) == self.restart_step:
                 self._restart(x.detach())
+            blend = 1.0  # the code's share in what the decoder sees (1: quantized)
+            if learn and self.warmup_steps:
+                seen = int(self.warmup_batches)
+                if seen < self.warmup_steps:
+                    blend = seen / self.warmup_steps
+                    self.warmup_batches.add_(1)
             scale = self.softmax_scale(tau)
             if self.codebook_update == "mstep":
                 # the M-step's statistics on sg(z) with the codebook before this batch's update
@@ -517,6 +545,9 @@ class DDCLQuantizer(Quantizer):
                     self._update_statistics(x.detach(), SoftStatistics(
                         indices=indices, nearest=nearest, mass=counts.detach(), sums=w.detach(),
                         distortion=distortion.detach(), ols=ols.detach(), variance=variance.detach()))
+            if blend < 1.0:
+                # value z + blend·(out − z); the gradient is out's (straight-through: the identity)
+                out = x.detach() + blend * (out - x).detach() + (out - out.detach())
             terms.update(distortion=distortion.detach(), ols=ols.detach(), variance=variance.detach())
         quantized = unflatten(out.to(z.dtype), last_shape, self.channel_dim)
         return QuantizerOutput(quantized=quantized, indices=unflatten(indices, last_shape, self.channel_dim),
@@ -539,6 +570,7 @@ class DDCLQuantizer(Quantizer):
                 f"temperature_reference={self.temperature_reference!r}, codebook_update={self.codebook_update!r}, "
                 f"decay={self.decay:g}, revive_threshold={self.revive_threshold:g}, "
                 f"revive_criterion={self.revive_criterion!r}, restart_step={self.restart_step}, "
+                f"warmup_steps={self.warmup_steps}, "
                 f"encoder_gradient={self.encoder_gradient!r}, "
                 f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

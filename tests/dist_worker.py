@@ -21,7 +21,7 @@ def main(out_dir: str, steps: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
-    for qtype, extra in [("ddcl", ["quantizer.codebook_init=kmeans"]), ("hard", ["quantizer.kmeans_init=true"]),
+    for qtype, extra in [("ddcl", ["quantizer.codebook_init=kmeans", "quantizer.warmup_steps=2"]), ("hard", ["quantizer.kmeans_init=true"]),
                          ("ema", ["quantizer.dead_code_threshold=0.9", "quantizer.decay=0.8"])]:
         cfg = load_config(None, TINY + [f"quantizer.type={qtype}", "train.codebook_lr_ratio=2"] + extra)
         torch.manual_seed(rank + 1)  # different init on each rank: DDP must make them one model

@@ -32,7 +32,8 @@ STEPS, BATCH = 30, 32
 # The host's copied codebook kept as it is and trained by gradient: forward-equivalent to the host
 # (the default DDCL codebook starts with k-means on the first training batch and is updated by the
 # M-step inside training forwards, so its codes move as soon as it trains).
-SAME_AS_HOST = dict(codebook_init="uniform", codebook_update="gradient", temperature_reference="dim", temperature=0.01)
+SAME_AS_HOST = dict(codebook_init="uniform", codebook_update="gradient", temperature_reference="dim", temperature=0.01,
+                    warmup_steps=0)
 
 
 @pytest.fixture(scope="module", autouse=True)

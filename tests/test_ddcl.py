@@ -12,8 +12,10 @@ from ddcl_vq import DDCLQuantizer as _DDCLQuantizer
 
 def DDCLQuantizer(*args, **kw):
     """The assignment math of these tests: codebook trained by gradient, τ relative to D (the
-    M-step codebook's own properties are tested in tests/test_mstep.py)."""
+    M-step codebook's own properties are tested in tests/test_mstep.py; the warm-up in
+    tests/test_warmup.py)."""
     kw.setdefault("codebook_update", "gradient")
+    kw.setdefault("warmup_steps", 0)
     kw.setdefault("temperature_reference", "dim")
     return _DDCLQuantizer(*args, **kw)
 

@@ -134,7 +134,8 @@ def test_rotation_trick_value_and_gradient_match_the_closed_form():
 
 def test_rotation_option_in_the_quantizer():
     torch.manual_seed(0)
-    quant = DDCLQuantizer(8, 4, channel_dim=-1, encoder_gradient="rotation", codebook_init="normal").double()
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, encoder_gradient="rotation", codebook_init="normal",
+                          warmup_steps=0).double()
     quant(batch(seed=1))                            # initialise (k-means)
     z = batch().requires_grad_(True)
     before = quant.codebook.detach().clone()        # the batch decodes its codes before the update
@@ -212,7 +213,8 @@ def test_large_codebooks_use_the_truncated_support():
 def test_restart_refits_the_codebook_by_kmeans_on_the_batch_of_that_step():
     from ddcl_vq.kmeans import kmeans_init_
     torch.manual_seed(0)
-    quant = DDCLQuantizer(8, 4, channel_dim=-1, restart_step=2, revive_threshold=0.0).double()
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, restart_step=2, revive_threshold=0.0,
+                          warmup_steps=0).double()
     for seed in (1, 2):
         quant(batch(seed=seed))
         quant.step()

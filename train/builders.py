@@ -64,7 +64,7 @@ def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) 
                     implementation=q.implementation, temperature_reference=q.temperature_reference,
                     codebook_update=q.codebook_update, revive_threshold=q.revive_threshold,
                     revive_criterion=q.revive_criterion, encoder_gradient=q.encoder_gradient,
-                    restart_step=q.restart_step,
+                    restart_step=q.restart_step, warmup_steps=q.warmup_steps,
                     **({} if q.decay is None else {"decay": q.decay}))
     if q.type == "hard":
         return dict(num_codes=q.num_codes, dim=dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)

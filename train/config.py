@@ -65,6 +65,7 @@ class QuantizerConfig:
     revive_threshold: float = 0.03           # re-seed codes whose EMA usage < this x N/K (0 = off)
     revive_criterion: str = "mass"           # mass (EMA of soft mass) | usage (EMA of hard counts)
     restart_step: int = 0                    # re-fit the codebook by k-means at this training step (0 = never)
+    warmup_steps: int = 100                  # blend the decoder's input from z to the code over these steps (0 = off)
     encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
     codebook_init: str = "kmeans"
     implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
@@ -145,7 +146,7 @@ RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
 LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
                "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
-                "quantizer.restart_step",
+                "quantizer.restart_step", "quantizer.warmup_steps",
                 "quantizer.revive_threshold",
                 "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
 
@@ -182,6 +183,7 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
             quantizer.setdefault(name, value)
     if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
         quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
+        quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
     return raw
 
 

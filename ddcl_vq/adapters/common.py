@@ -36,6 +36,7 @@ def _restore_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any],
     if host_key in state_dict:
         state_dict.setdefault(prefix + "ddcl.weight", state_dict[host_key])
         module.ddcl.initialized.fill_(True)  # a loaded codebook is an initialised codebook
+        module.ddcl.warmup_batches.fill_(module.ddcl.warmup_steps)  # ... and past its warm-up
 
 
 class _DDCLAdapter(nn.Module):
@@ -49,7 +50,7 @@ class _DDCLAdapter(nn.Module):
         ddcl.register_buffer("initialized", ddcl.initialized, persistent=False)
         ddcl.register_buffer("schedule_step", ddcl.schedule_step, persistent=False)
         for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
-                     "revived"):  # M-step state
+                     "revived", "warmup_batches"):  # M-step and warm-up state
             ddcl.register_buffer(name, getattr(ddcl, name), persistent=False)
         self.last_output: Optional[QuantizerOutput] = None
         self.register_state_dict_post_hook(_drop_ddcl_weight_key)
