@@ -114,11 +114,16 @@ class DDCLQuantizer(Quantizer):
             of Σ_i q_ik z_i over an EMA of Σ_i q_ik, computed on sg(z) in training forwards; the
             codebook is a parameter with ``requires_grad=False``. ``"gradient"``: the codebook is
             trained by the gradient of L_q (give it to the optimizer, at ρ × the encoder's lr).
-        decay: EMA decay of the M-step statistics and of the soft mass used for revival.
-        revive_threshold: a code whose EMA soft mass falls below ``revive_threshold`` × N/K (its
-            uniform share of a batch of N vectors) is re-seeded on a batch vector drawn with
-            probability ∝ its squared distance to its nearest code (k-means++ seeding: where the
-            distortion is); 0 turns revival off. Counted in the ``revived`` buffer.
+        decay: EMA decay of the M-step statistics and of the usage statistics revival reads.
+        revive_threshold: a code whose EMA usage (``revive_criterion``) falls below
+            ``revive_threshold`` × N/K (its uniform share of a batch of N vectors) is re-seeded on a
+            batch vector drawn with probability ∝ its squared distance to its nearest code (k-means++
+            seeding: where the distortion is); 0 turns revival off. Counted in the ``revived`` buffer.
+        revive_criterion: ``"usage"`` (default): the EMA of the code's hard counts — a code that
+            stops winning vectors is re-seeded even while its soft mass, fed by the softmax tails of
+            its neighbours' vectors, stays above the threshold; ``"mass"``: the EMA of its soft mass
+            Σ_i q_ik (the previous default; measured with the warm-up: 97.4% / 98.7% of codes used at
+            K = 4096 and 92% on natural_patches, against 99.95% and 97.0% by usage; README).
         warmup_steps: quantization warm-up (default 100): during the first ``warmup_steps``
             training forwards the decoder sees z + α·(out − z), α rising linearly from 0 to 1, where
             out is what the mode passes on (the hard code in ``straight_through`` mode); the gradient
@@ -184,7 +189,7 @@ class DDCLQuantizer(Quantizer):
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
-                 revive_criterion: str = "mass", restart_step: int = 0,
+                 revive_criterion: str = "usage", restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,
                  codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,

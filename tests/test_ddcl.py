@@ -16,6 +16,7 @@ def DDCLQuantizer(*args, **kw):
     tests/test_warmup.py)."""
     kw.setdefault("codebook_update", "gradient")
     kw.setdefault("warmup_steps", 0)
+    kw.setdefault("revive_threshold", 0.0)  # the statistics must not move the codes between evaluations
     kw.setdefault("temperature_reference", "dim")
     return _DDCLQuantizer(*args, **kw)
 

@@ -57,21 +57,47 @@ def test_soft_statistics_equal_the_dense_computation_in_any_blocking():
         torch.testing.assert_close(s.nearest, d.min(1).values)
 
 
-def test_a_starved_code_is_revived_where_the_distortion_is():
+@pytest.mark.parametrize("criterion", ["usage", "mass"])
+def test_a_starved_code_is_revived_where_the_distortion_is(criterion):
     torch.manual_seed(0)
-    quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.1).double()
+    quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.1,
+                          revive_criterion=criterion, warmup_steps=0).double()
     z = batch()
     quant(z)                                         # initialise
-    with torch.no_grad():                            # one code far from every vector, with no mass
+    with torch.no_grad():                            # one code far from every vector, with no mass or use
         quant.weight[3] = 1e3
         quant.cluster_sums[3] = 1e3 * 1e-9
         quant.cluster_mass[3] = 1e-9
+        quant.cluster_usage[3] = 1e-9
     quant(z)
     assert int(quant.revived) >= 1
     assert quant.codebook[3].abs().max() < 100       # re-seeded on a batch vector
     assert any(torch.allclose(quant.codebook[3], row) for row in z)
     assert (quant.cluster_mass > 0).all()
     assert quant.log_stats()["revived"] == float(quant.revived)
+
+
+def test_usage_criterion_revives_a_code_that_wins_nothing_but_keeps_soft_mass():
+    """The default criterion: a code behind its neighbours wins no vector (hard usage 0) while the
+    softmax tails still give it soft mass above the threshold; by usage it is revived, by mass not."""
+    revived = {}
+    for criterion in ("usage", "mass"):
+        torch.manual_seed(0)
+        quant = DDCLQuantizer(2, 1, channel_dim=-1, temperature=100.0, revive_threshold=0.3,
+                              revive_criterion=criterion, warmup_steps=0, codebook_init="uniform").double()
+        z = torch.linspace(-1, 1, 64, dtype=torch.float64)[:, None]
+        with torch.no_grad():
+            quant.weight.copy_(torch.tensor([[0.0], [3.0]], dtype=torch.float64))   # code 1 beyond every vector
+        for _ in range(30):
+            out = quant(z)
+            with torch.no_grad():                    # hold the codes where they are: only the statistics move
+                quant.weight.copy_(torch.tensor([[0.0], [3.0]], dtype=torch.float64))
+                quant.cluster_sums.copy_(quant.weight * quant.cluster_mass[:, None])
+            if int(quant.revived):
+                break
+        assert int((out.indices == 1).sum()) == 0 or int(quant.revived)
+        revived[criterion] = int(quant.revived)
+    assert revived["usage"] >= 1 and revived["mass"] == 0
 
 
 def test_no_revival_when_switched_off():

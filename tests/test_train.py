@@ -213,6 +213,15 @@ def test_run_config_from_before_the_mstep_keeps_its_recipe(tmp_path):
     assert load_config(old_run).quantizer.codebook_update == "mstep"   # a user's config gets today's default
 
 
+def test_run_config_from_before_the_warmup_keeps_its_recipe(tmp_path):
+    old_run = tmp_path / "config.yaml"
+    old_run.write_text("quantizer: {type: ddcl, codebook_update: mstep, revive_threshold: 0.03}\n")
+    saved = load_config(old_run, migrate=True).quantizer
+    assert (saved.warmup_steps, saved.revive_criterion) == (0, "mass")    # what it was trained with
+    today = load_config(old_run).quantizer
+    assert (today.warmup_steps, today.revive_criterion) == (100, "usage")  # a user's config: today's defaults
+
+
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("study_")))
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)

@@ -63,7 +63,7 @@ class QuantizerConfig:
     temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
     codebook_update: str = "mstep"           # mstep (EMA of DDCL's soft M-step) | gradient (optimizer at rho*lr)
     revive_threshold: float = 0.03           # re-seed codes whose EMA usage < this x N/K (0 = off)
-    revive_criterion: str = "mass"           # mass (EMA of soft mass) | usage (EMA of hard counts)
+    revive_criterion: str = "usage"          # usage (EMA of hard counts) | mass (EMA of soft mass)
     restart_step: int = 0                    # re-fit the codebook by k-means at this training step (0 = never)
     warmup_steps: int = 100                  # blend the decoder's input from z to the code over these steps (0 = off)
     encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
