@@ -132,7 +132,7 @@ class DDCLQuantizer(Quantizer):
             onto 1–3 codes while the young encoder's features contract, and the decoder learns from
             near-constant input until revival spreads the codes again (perplexity 2–11 at step 25);
             with the warm-up the autoencoder learns from the start and hard-code PSNR rose by
-            0.3–0.7 dB at K = 256 and 1024 (README). Counted by training forwards (not :meth:`step`),
+            0.2–0.7 dB on every seed at K = 256 and 1024 (README). Counted by training forwards (not :meth:`step`),
             so a host loop that never calls ``step()`` still leaves it; evaluation always quantizes.
             0 turns it off.
         encoder_gradient: what the encoder receives through the hard code in

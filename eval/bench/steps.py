@@ -62,7 +62,8 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
 
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
     if name == "ddcl-mstep":
-        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1)   # the library default
+        # the library default in its steady state (past the warm-up's first 100 training batches)
+        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0)
         quant.weight.data.copy_(inp.codebook.cpu())
     elif name.startswith("ddcl"):
         parts = name.split("-")
@@ -129,6 +130,8 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
             model = VQVAE(Encoder(), q, Decoder())
             models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
     q_default = models["ddcl"][0].quantizer
+    if hasattr(q_default, "warmup_batches"):  # time the steady state, past the warm-up
+        q_default.warmup_batches.fill_(q_default.warmup_steps)
     takes_path = not (getattr(q_default, "codebook_update", None) == "mstep"
                       and getattr(q_default, "mode", None) == "straight_through")
     if with_reference and takes_path:  # the same DDCL model on the reference path: what the fused path buys
