@@ -114,9 +114,7 @@ class DDCLQuantizer(Quantizer):
             of Σ_i q_ik z_i over an EMA of Σ_i q_ik, computed on sg(z) in training forwards; the
             codebook is a parameter with ``requires_grad=False``. ``"gradient"``: the codebook is
             trained by the gradient of L_q (give it to the optimizer, at ρ × the encoder's lr).
-        decay: EMA decay of the M-step statistics and of the usage statistics revival reads
-            (default 0.8; 0.9 before the warm-up existed: with the warm-up a codebook that follows
-            the features faster gained 0.1–0.2 dB on the weaker seeds at K = 256, README).
+        decay: EMA decay of the M-step statistics and of the usage statistics revival reads.
         revive_threshold: a code whose EMA usage (``revive_criterion``) falls below
             ``revive_threshold`` × N/K (its uniform share of a batch of N vectors) is re-seeded on a
             batch vector drawn with probability ∝ its squared distance to its nearest code (k-means++
@@ -190,7 +188,7 @@ class DDCLQuantizer(Quantizer):
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,
-                 codebook_update: str = "mstep", decay: float = 0.8, revive_threshold: float = 0.03,
+                 codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
                  revive_criterion: str = "usage", restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,
                  codebook_init: str = "kmeans", channel_dim: int = 1,

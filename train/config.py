@@ -74,7 +74,7 @@ class QuantizerConfig:
     # hard
     distance: str = "euclidean"
     kmeans_init: bool = False
-    # ddcl (M-step statistics) and ema (codebook); None: the quantizer's default (ddcl 0.8, ema 0.99)
+    # ddcl (M-step statistics) and ema (codebook); None: the quantizer's default (ddcl 0.9, ema 0.99)
     decay: Optional[float] = None
     dead_code_threshold: float = 0.0
     # vqp: keyword arguments passed to vector_quantize_pytorch.VectorQuantize as they are
@@ -183,10 +183,7 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
             quantizer.setdefault(name, value)
     if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
         quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
-        if "warmup_steps" not in quantizer:  # saved before the warm-up existed: no warm-up, M-step decay 0.9
-            quantizer["warmup_steps"] = 0
-            if quantizer.get("decay") is None:
-                quantizer["decay"] = 0.9
+        quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
     return raw
 
 
