@@ -259,6 +259,7 @@ class DDCLQuantizer(Quantizer):
         # training forwards of the warm-up so far (stops at warmup_steps); counted here, not by
         # step(), so a host's training loop that never calls step() still leaves the warm-up
         self.register_buffer("warmup_batches", torch.zeros((), dtype=torch.long))
+        self._warmup_over = warmup_steps == 0  # host-side: past it, forward reads no buffer (no sync)
 
     # ------------------------------------------------------------------ temperature schedule
     def set_schedule(self, temperature: float, temperature_final: Optional[float] = None,
@@ -359,6 +360,7 @@ class DDCLQuantizer(Quantizer):
         if batches_key in missing_keys:
             missing_keys.remove(batches_key)
             self.warmup_batches.fill_(self.warmup_steps)
+        self._warmup_over = self.warmup_steps == 0  # re-read the loaded position at the next forward
         # a state_dict from before the schedule was saved: keep the constructor's schedule
         step_key = prefix + "schedule_step"
         if step_key in missing_keys:
@@ -496,11 +498,13 @@ class DDCLQuantizer(Quantizer):
             if learn and self.restart_step and int(self.schedule_step) == self.restart_step:
                 self._restart(x.detach())
             blend = 1.0  # the code's share in what the decoder sees (1: quantized)
-            if learn and self.warmup_steps:
+            if learn and not self._warmup_over:
                 seen = int(self.warmup_batches)
                 if seen < self.warmup_steps:
                     blend = seen / self.warmup_steps
                     self.warmup_batches.add_(1)
+                else:
+                    self._warmup_over = True
             scale = self.softmax_scale(tau)
             if self.codebook_update == "mstep":
                 # the M-step's statistics on sg(z) with the codebook before this batch's update
