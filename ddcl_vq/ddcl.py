@@ -19,8 +19,8 @@ L_q instead (an optimizer at ρ × the encoder's learning rate; the project's fi
 
 Why the temperature is relative (``temperature_reference``): squared distances grow with D and
 with the encoder's feature scale, which drifts during training. ``"data"`` (default) divides by
-τ times the running mean squared distance to the nearest code, so τ = 0.1 means "a code one
-tenth of a typical quantization error farther than the nearest is e times less likely", at
+τ times the running mean squared distance to the nearest code, so τ = 0.03 (the default) means
+"a code 3% of a typical quantization error farther than the nearest is e times less likely", at
 any D and any feature scale; ``"dim"`` divides by τ·D (a per-dimension temperature, the
 project's first default, τ = 0.01).
 
@@ -106,7 +106,11 @@ class DDCLQuantizer(Quantizer):
         num_codes: K, codebook size.
         dim: D, the channel size of the encoder features.
         temperature: τ, the schedule's start value; the softmax divisor is τ times the
-            ``temperature_reference`` scale.
+            ``temperature_reference`` scale. Default 0.03: a sharp M-step (each code the mean of
+            the vectors it wins and of few others). Measured against 0.1, the previous default, on
+            every headline setting (README, fourth round): hard-code PSNR 24.24 ± 0.29 dB against
+            24.20 ± 0.37 over seven seeds at K = 256, +0.07 dB and more codes in use on photographs,
+            level at K = 1024, −0.05 dB at K = 4096.
         temperature_reference: ``"data"`` (default): the running mean squared distance of a
             vector to its nearest code (a buffer, ``distance_scale``, EMA over training batches);
             ``"dim"``: D (τ is then a per-dimension temperature; the first default was 0.01).
@@ -184,7 +188,7 @@ class DDCLQuantizer(Quantizer):
 
     has_soft_codes = True
 
-    def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.1,
+    def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.03,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,

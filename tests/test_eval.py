@@ -150,7 +150,7 @@ def test_eval_json_is_consistent(tiny_runs):
     assert c["soft_perplexity"] is not None and c["min_code_distance"] is not None
     assert ev["rfid"] is None and ev["rfid_note"]
     assert ev["quantizer"] == {"type": "ddcl", "num_codes": 32, "dim": 8, "mode": "straight_through",
-                               "temperature": 0.1, "temperature_reference": "data", "codebook_update": "mstep"}
+                               "temperature": 0.03, "temperature_reference": "data", "codebook_update": "mstep"}
     hard_ev = evaluate_run(tiny_runs["hard"], max_images=64, batch_size=64, write=False)
     assert hard_ev["recon"]["soft"] is None and hard_ev["codebook"]["soft_perplexity"] is None
     assert hard_ev["quantizer"] == {"type": "hard", "num_codes": 32, "dim": 8}
@@ -158,7 +158,7 @@ def test_eval_json_is_consistent(tiny_runs):
 
 def test_load_run_reads_the_saved_schedule_also_of_older_runs(tiny_runs, tmp_path):
     _, model, step, _ = load_run(tiny_runs["ddcl"])
-    assert model.quantizer.temperature == 0.1 and int(model.quantizer.schedule_step) == step == 6
+    assert model.quantizer.temperature == 0.03 and int(model.quantizer.schedule_step) == step == 6
     # a run written before the schedule moved into the quantizer: train.* keys, no schedule state
     old = tmp_path / "old"
     shutil.copytree(tiny_runs["ddcl"], old)

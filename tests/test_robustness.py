@@ -64,7 +64,7 @@ def test_resume_with_another_config_is_refused_and_changes_nothing(tiny_config):
     run = Path(cfg.run.dir)
     before = snapshot(run)
     for overrides, config, named in [
-        (["quantizer.temperature=0.2"], "configs/fashion_ddcl.yaml", "quantizer.temperature 0.1 -> 0.2"),
+        (["quantizer.temperature=0.2"], "configs/fashion_ddcl.yaml", "quantizer.temperature 0.03 -> 0.2"),
         ([], "configs/fashion_hard.yaml", "quantizer.type 'ddcl' -> 'hard'"),
         (["train.lr=0.05"], "configs/fashion_ddcl.yaml", "train.lr 0.002 -> 0.05"),
         (["quantizer.num_codes=16"], "configs/fashion_ddcl.yaml", "quantizer.num_codes 32 -> 16"),
@@ -227,7 +227,7 @@ def test_evaluate_refuses_overrides_of_the_trained_model(small_run, capsys):
     before = (small_run / "eval.json").read_bytes() if (small_run / "eval.json").exists() else None
     assert evaluate_main([str(small_run), "--quiet", "quantizer.temperature=1.0"]) == 2
     line = one_error_line(capsys, "evaluate")
-    assert "quantizer.temperature=1.0 (trained with 0.1)" in line and "saved in the checkpoint" in line
+    assert "quantizer.temperature=1.0 (trained with 0.03)" in line and "saved in the checkpoint" in line
     assert evaluate_main([str(small_run), "--quiet", "quantizer.num_codes=16"]) == 2
     assert "quantizer.num_codes=16 (trained with 32)" in one_error_line(capsys, "evaluate")
     after = (small_run / "eval.json").read_bytes() if (small_run / "eval.json").exists() else None

@@ -226,3 +226,20 @@ def test_run_config_from_before_the_warmup_keeps_its_recipe(tmp_path):
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.run.dir.startswith("runs/")
+
+
+def test_config_defaults_are_the_library_defaults():
+    """A user who trains with the YAML defaults and one who writes DDCLQuantizer(K, D) get the
+    same quantizer: every constructor default the config passes equals the config's default."""
+    import inspect
+
+    from ddcl_vq import DDCLQuantizer
+    from ddcl_vq.train.builders import quantizer_kwargs
+    from ddcl_vq.train.config import QuantizerConfig
+
+    passed = quantizer_kwargs(QuantizerConfig(), dim=8, steps=None)
+    signature = inspect.signature(DDCLQuantizer).parameters
+    compared = {name: value for name, value in passed.items() if name not in ("num_codes", "dim", "schedule_steps")}
+    assert {"temperature", "warmup_steps", "revive_criterion", "revive_threshold", "encoder_gradient"} <= compared.keys()
+    assert compared == {name: signature[name].default for name in compared}
+    assert DDCLQuantizer(16, 8).temperature == QuantizerConfig().temperature == 0.03

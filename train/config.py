@@ -57,7 +57,7 @@ class QuantizerConfig:
     num_codes: int = 512                     # K
     # ddcl
     mode: str = "straight_through"
-    temperature: float = 0.1                 # tau: softmax(-d / (tau * reference scale)); schedule start
+    temperature: float = 0.03                # tau: softmax(-d / (tau * reference scale)); schedule start
     temperature_reference: str = "data"      # data (running mean nearest-code distance) | dim (D)
     temperature_schedule: str = "constant"   # constant | cosine | exponential (anneal over train.steps)
     temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
