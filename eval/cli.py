@@ -14,9 +14,9 @@ from typing import List, Optional
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("ddcl_vq.train.cli", "train a VQ-VAE from a YAML config (also: python -m ddcl_vq.train, torchrun -m ddcl_vq.train)"),
-    "evaluate": ("ddcl_vq.eval.evaluation.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
-    "gap": ("ddcl_vq.eval.evaluation.gap", "where a run's error comes from: quantization vs the autoencoder, codebook vs k-means"),
-    "compare": ("ddcl_vq.eval.evaluation.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
+    "evaluate": ("ddcl_vq.eval.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
+    "gap": ("ddcl_vq.eval.gap", "where a run's error comes from: quantization vs the autoencoder, codebook vs k-means"),
+    "compare": ("ddcl_vq.eval.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
     "study": ("ddcl_vq.eval.study.cli", "train, evaluate and compare every arm of a study config"),
     "bench": ("ddcl_vq.eval.bench.cli", "quantizer speed and memory, side by side with the peers"),
     "readout-study": ("ddcl_vq.eval.readout.cli", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),

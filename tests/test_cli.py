@@ -1,6 +1,6 @@
 """Every command: settings declared and checked one way, errors the user can fix as one line.
 
-- each command's options are a dataclass read by ddcl_vq.train.schema.Options (types, choices,
+- each command's options are a dataclass read by ddcl_vq.train.settings.Options (types, choices,
   bounds, presets such as --quick), as the training config and the study file are;
 - every error a user can fix is a UserError, which each command (and the dispatcher) prints as
   ``ddcl-vq CMD: error: <message>`` with exit status 2;
@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluation.evaluate import EvaluateError
+from ddcl_vq.eval.evaluate import EvaluateError
 from ddcl_vq.eval.study.config import load_study
 from ddcl_vq.eval.study.run import StudyError
 from ddcl_vq.train.checkpoint import CheckpointError
 from ddcl_vq.train.config import ConfigError
 from ddcl_vq.train.data import DataUnavailable
 from ddcl_vq.train.errors import UserError
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 ROOT = Path(__file__).resolve().parents[1]
 

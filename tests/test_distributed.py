@@ -87,7 +87,7 @@ def test_torchrun_training_writes_once_and_resumes(tmp_path):
 
 
 def test_distributed_evaluate_equals_single_process(tmp_path):
-    from ddcl_vq.eval.evaluation.evaluate import main as evaluate_main
+    from ddcl_vq.eval.evaluate import main as evaluate_main
     from ddcl_vq.train.loop import train as train_run
 
     cfg = load_config("configs/fashion_ddcl.yaml", [

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from ddcl_vq.eval.evaluation import metrics
-from ddcl_vq.eval.evaluation.compare import compare
-from ddcl_vq.eval.evaluation.evaluate import evaluate_run, load_run
-from ddcl_vq.eval.evaluation.evaluate import main as evaluate_main
+from ddcl_vq.eval import metrics
+from ddcl_vq.eval.compare import compare
+from ddcl_vq.eval.evaluate import evaluate_run, load_run
+from ddcl_vq.eval.evaluate import main as evaluate_main
 from ddcl_vq.eval.study.cli import main as study_main
 from ddcl_vq.eval.study.config import load_study
 from ddcl_vq.train.config import ConfigError, load_config

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from ddcl_vq.eval.evaluation.evaluate import load_run
-from ddcl_vq.eval.evaluation.gap import lloyd_step, main, nearest_codes, quantization_gap
+from ddcl_vq.eval.evaluate import load_run
+from ddcl_vq.eval.gap import lloyd_step, main, nearest_codes, quantization_gap
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import build_dataset
 from ddcl_vq.train.loop import train

@@ -24,10 +24,10 @@ import torch
 import yaml
 
 from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluation import compare as compare_module
-from ddcl_vq.eval.evaluation.compare import compare, needs_eval
-from ddcl_vq.eval.evaluation.evaluate import EvaluateError, evaluate_run
-from ddcl_vq.eval.evaluation.evaluate import main as evaluate_main
+from ddcl_vq.eval import compare as compare_module
+from ddcl_vq.eval.compare import compare, needs_eval
+from ddcl_vq.eval.evaluate import EvaluateError, evaluate_run
+from ddcl_vq.eval.evaluate import main as evaluate_main
 from ddcl_vq.train.checkpoint import load_checkpoint
 from ddcl_vq.train.cli import main as train_main
 from ddcl_vq.train.config import load_config

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddcl_vq.eval.evaluation.compare import ms_per_step
+from ddcl_vq.eval.compare import ms_per_step
 from ddcl_vq.eval.study.aggregate import aggregate, mean_sd, mean_sd_table
 from ddcl_vq.eval.study.cli import main as study_main
 from ddcl_vq.eval.study.config import load_study

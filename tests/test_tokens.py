@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluation.evaluate import load_run
+from ddcl_vq.eval.evaluate import load_run
 from ddcl_vq.eval.tokens.decode import decode_indices
 from ddcl_vq.eval.tokens.export import export_run
 from ddcl_vq.eval.tokens.files import index_dtype, read_tokens

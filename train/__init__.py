@@ -1,4 +1,4 @@
-"""Training: ``config`` (the typed experiment config), ``schema`` (the typed-settings machinery
+"""Training: ``config`` (the typed experiment config), ``settings`` (the typed-settings machinery
 every command's settings go through), ``errors`` (``UserError``, the one error base class, and
 ``entry_point``, which prints it as one line), ``data``, ``builders``, ``loop``, ``checkpoint``,
 ``testset`` and the ``train`` command (``cli``; ``python -m ddcl_vq.train``,

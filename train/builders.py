@@ -16,7 +16,7 @@ from ddcl_vq.models.vqvae import CONFIG_FORMAT, build_quantizer_from_config
 
 from .config import Config, QuantizerConfig, TrainConfig
 from .errors import one_line
-from .schema import ConfigError, nearest
+from .settings import ConfigError, nearest
 
 
 def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Quantizer:

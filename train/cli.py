@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .errors import entry_point
-from .schema import Options, Rules, option
+from .settings import Options, Rules, option
 
 HELP = """\
 Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options, e.g.

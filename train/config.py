@@ -2,7 +2,7 @@
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-Every key is checked up front (by :mod:`ddcl_vq.train.schema`, the checks every command's
+Every key is checked up front (by :mod:`ddcl_vq.train.settings`, the checks every command's
 settings go through): an unknown key is an error naming the key and the nearest valid one;
 a wrong type or a value outside a key's choices names the key, what was expected and what
 came. ``to_dict`` / ``from_dict`` round-trip exactly.
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from .schema import ConfigError, Rules, apply, check, keys_of, leaves, nearest
+from .settings import ConfigError, Rules, apply, check, keys_of, leaves, nearest
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
            "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml"]

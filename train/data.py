@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from .errors import UserError, one_line
-from .schema import ConfigError
+from .settings import ConfigError
 
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")

@@ -37,7 +37,7 @@ from .data import EpochBatches, build_dataset, image_channels, make_loader, reso
 from .errors import UserError, one_line
 from .progress import Progress
 from .rundir import RunLock, check_resume, finished_summary, note, saved_config
-from .schema import ConfigError
+from .settings import ConfigError
 from .testset import reconstruction_pass
 
 

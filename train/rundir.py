@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .config import Config, differences, load_config, migrate_renamed
 from .errors import UserError, one_line
-from .schema import ConfigError
+from .settings import ConfigError
 
 LOCK_NAME = "train.lock"
 

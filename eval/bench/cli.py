@@ -12,7 +12,7 @@ import torch
 
 from ddcl_vq.eval.machine import load_average, machine_info
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import ConfigError, Options, Rules, option
+from ddcl_vq.train.settings import ConfigError, Options, Rules, option
 
 from .cost import IMPLS, calibrate, plan_measurements
 from .memory import available_memory_bytes, probe_main

@@ -17,7 +17,7 @@ import torch
 from ddcl_vq.eval.machine import describe_machine
 from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import ConfigError, Options, Rules, option
+from ddcl_vq.train.settings import ConfigError, Options, Rules, option
 
 from .compressor import run_compressor
 from .data import load_patches

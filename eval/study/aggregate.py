@@ -1,7 +1,7 @@
 """Seeds: one table row per arm × sweep point, mean ± sample sd over its seeds.
 
 ``aggregate(rows)`` is a pure function of the per-run rows that
-:func:`ddcl_vq.eval.evaluation.compare.make_row` makes (each with ``group``, the arm × sweep
+:func:`ddcl_vq.eval.compare.make_row` makes (each with ``group``, the arm × sweep
 point it belongs to, and ``seed``); ``write_seed_tables`` writes table.md/csv/json from it.
 """
 from __future__ import annotations
@@ -90,8 +90,8 @@ def write_seed_tables(out: Path, groups: Sequence[Dict], rows: Sequence[Dict], e
                       max_images: int, command: Optional[str] = None) -> None:
     """table.md (mean ± sd, then the per-seed table), table.csv (one row per arm × sweep point),
     table_runs.csv (one row per run), table.json (both)."""
-    from ddcl_vq.eval.evaluation.compare import COLUMN_DEFINITIONS, markdown_table, table_footer, write_csv
-    from ddcl_vq.eval.evaluation.metrics import definitions
+    from ddcl_vq.eval.compare import COLUMN_DEFINITIONS, markdown_table, table_footer, write_csv
+    from ddcl_vq.eval.metrics import definitions
 
     out = Path(out)
     text = [mean_sd_table(groups), "", "Per seed:", "", markdown_table(rows), "", table_footer(evals, command), "",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from . import config
 from .config import load_study
@@ -54,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(opts.threads)
     result = run_study(study, train_arms=not opts.report_only, progress=True, verbose=opts.verbose,
                        command=command, jobs=opts.jobs, threads=opts.threads)
-    from ddcl_vq.eval.evaluation.compare import markdown_table
+    from ddcl_vq.eval.compare import markdown_table
 
     from .aggregate import mean_sd_table
     print(markdown_table(result["rows"]) if result["groups"] is None else mean_sd_table(result["groups"]))

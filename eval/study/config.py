@@ -16,7 +16,7 @@ A study YAML:
     quick: ["train.steps=4", ...]       # optional: what --quick changes (default QUICK_OVERRIDES)
 
 The file is read into :class:`StudyFile` by the same typed-settings code as the training config
-(:mod:`ddcl_vq.train.schema`): an unknown key names the nearest valid one, a wrong type or value
+(:mod:`ddcl_vq.train.settings`): an unknown key names the nearest valid one, a wrong type or value
 says what was expected. ``null`` means "not set".
 
 Each arm's config = base <- sweep values <- arm overrides <- --quick <- command-line overrides
@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ddcl_vq.train.config import Config, apply_overrides
-from ddcl_vq.train.schema import ConfigError, Rules, build
+from ddcl_vq.train.settings import ConfigError, Rules, build
 
 QUICK_OVERRIDES = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",

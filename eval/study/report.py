@@ -100,8 +100,8 @@ def changes(study: Study, rows: Sequence[Dict]) -> List[str]:
 
 def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequence[Dict]] = None) -> str:
     """report.md; ``groups``: with seeds, the mean ± sd rows (one per arm x sweep point)."""
-    from ddcl_vq.eval.evaluation.compare import COLUMN_DEFINITIONS, markdown_table
-    from ddcl_vq.eval.evaluation.metrics import definitions
+    from ddcl_vq.eval.compare import COLUMN_DEFINITIONS, markdown_table
+    from ddcl_vq.eval.metrics import definitions
 
     from .aggregate import SEED_DEFINITIONS, mean_sd_table
 

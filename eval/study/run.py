@@ -95,7 +95,7 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
 
     from ddcl_vq.train.loop import train
 
-    from ddcl_vq.eval.evaluation.compare import compare, ensure_eval
+    from ddcl_vq.eval.compare import compare, ensure_eval
 
     for arm in study.arms:  # before anything trains
         check_run_dir(arm)
@@ -189,7 +189,7 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
 def compare_seeds(study: Study, finished: List[Arm], command: Optional[str]) -> Tuple[List[Dict], List[Dict]]:
     """A study with seeds: per-run rows, one mean ± sd row per arm x sweep point, the tables
     (:func:`write_seed_tables`) and the plots (per-run plots show each arm's first finished seed)."""
-    from ddcl_vq.eval.evaluation.compare import evaluate_runs, write_plots
+    from ddcl_vq.eval.compare import evaluate_runs, write_plots
 
     from .aggregate import aggregate, write_seed_tables
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from .files import TokenFileError, read_tokens
 

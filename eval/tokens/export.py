@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ddcl_vq.train.errors import UserError, entry_point
-from ddcl_vq.train.schema import Options, option
+from ddcl_vq.train.settings import Options, option
 
 HELP = """\
 Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
@@ -107,7 +107,7 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
 
 def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Dict:
     """Write the export of ``run_dir`` into ``out_dir`` and check it; returns what was done."""
-    from ddcl_vq.eval.evaluation.evaluate import load_run
+    from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.models import VQVAE
     from ddcl_vq.train.data import image_channels
 

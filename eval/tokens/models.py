@@ -13,7 +13,7 @@ class ModelSourceError(UserError, ValueError):
 
 def load_model(source: str | Path, device="cpu"):
     """-> model in eval mode on ``device``, from a run directory or an exported folder."""
-    from ddcl_vq.eval.evaluation.evaluate import load_run
+    from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.models import VQVAE
 
     source = Path(source)

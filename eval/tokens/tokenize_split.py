@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from .files import check_suffix, index_dtype, write_tokens
 
@@ -102,7 +102,7 @@ def encode_dataset(model, dataset, batch_size: int = 256, max_images: int = 0, d
 def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: int = 256, max_images: int = 0,
                  overrides=(), device: str = "auto", progress: bool = False) -> Dict:
     """Tokenize ``split`` of the run's dataset into ``out``; returns a summary."""
-    from ddcl_vq.eval.evaluation.evaluate import load_run
+    from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.train.data import build_dataset, resolve_workers
 
     out = check_suffix(out)  # before any work

@@ -25,7 +25,7 @@ import torch
 
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.rundir import writable_dir
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from .evaluate import EvaluateError, evaluate_run, load_run
 from .metrics import definitions

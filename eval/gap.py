@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ddcl_vq.base import squared_distances
 from ddcl_vq.train.errors import entry_point
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from .evaluate import EvaluateError, load_run
 

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ddcl_vq.train.errors import UserError, entry_point
-from ddcl_vq.train.schema import Options, Rules, option
+from ddcl_vq.train.settings import Options, Rules, option
 
 from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 

@@ -1,0 +1,69 @@
+"""What a run's metrics.jsonl says about its training: the logged records, wall-clock time and
+milliseconds per step (``ddcl-vq compare``'s train time and ms/step columns, its usage plot)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+def read_metrics(run_dir: Path) -> List[Dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+    # a resumed run appends again from the checkpoint's step: keep the last record per step
+    by_step = {}
+    for r in records:
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def train_seconds(run_dir: Path) -> Optional[float]:
+    """Sum over training sessions of the last logged 'time' (it restarts at 0 each session)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    total, last = 0.0, None
+    for line in path.read_text().splitlines():
+        try:
+            t = float(json.loads(line)["time"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if last is not None and t < last:
+            total += last
+        last = t
+    return total + (last or 0.0) if last is not None else None
+
+
+def ms_per_step(run_dir: Path) -> Optional[float]:
+    """Milliseconds per training step from metrics.jsonl (see COLUMN_DEFINITIONS): sum of 'time'
+    differences over sum of 'step' differences between consecutive records of one session (a
+    session ends where 'time' goes back or 'step' does not advance: a resumed run). A run whose
+    sessions each logged one record falls back to the first record's time / step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            points.append((float(record["time"]), int(record["step"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    seconds = steps = 0.0
+    for (t0, s0), (t1, s1) in zip(points, points[1:]):
+        if t1 >= t0 and s1 > s0:
+            seconds += t1 - t0
+            steps += s1 - s0
+    if steps > 0:
+        return 1000.0 * seconds / steps
+    if points and points[0][1] > 0:
+        return 1000.0 * points[0][0] / points[0][1]
+    return None
+
