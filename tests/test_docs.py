@@ -1,0 +1,110 @@
+"""docs/ and the README agree with the repository: links resolve, the index lists every page, the
+configs and commands they name exist, no snippet hides behind an unknown fence tag, and the table
+of DDCL defaults says what ``DDCLQuantizer``'s signature says."""
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from ddcl_vq import DDCLQuantizer
+from ddcl_vq.eval.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
+IDS = [p.relative_to(ROOT).as_posix() for p in PAGES]
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """The page without its fenced blocks."""
+    return FENCE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup and punctuation dropped, lower case, spaces -> '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set:
+    seen, out = {}, set()
+    for line in prose(page.read_text()).splitlines():
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def local_links(page: Path):
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose(page.read_text())):
+        if not re.match(r"[a-z]+:", target):
+            yield target
+
+
+def test_slug_follows_github():
+    assert slug("How the default works (and the options that switch each part)") == \
+        "how-the-default-works-and-the-options-that-switch-each-part"
+    assert slug("The ablation study (`configs/study_ablation.yaml`)") == "the-ablation-study-configsstudy_ablationyaml"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_local_links_resolve(page):
+    for target in local_links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name}: link {target!r} points to a missing file"
+        if anchor and dest.suffix == ".md":
+            assert anchor in anchors(dest), f"{page.name}: link {target!r}: no heading {anchor!r} in {dest.name}"
+
+
+def test_readme_and_index_list_every_page():
+    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    assert len(pages) >= 8
+    readme = set(local_links(ROOT / "README.md"))
+    index = set(local_links(DOCS / "README.md"))
+    for name in sorted(pages):
+        assert f"docs/{name}" in readme, f"README.md does not link docs/{name}"
+        assert name in index, f"docs/README.md does not list {name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_fences_are_python_bash_or_plain(page):
+    """A ``py`` or ``Python`` tag would hide a snippet from tests/test_readme.py."""
+    for tag, _ in FENCE.findall(page.read_text()):
+        assert tag in ("", "bash", "python"), f"{page.name}: fence tag {tag!r}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_named_configs_exist(page):
+    for name in re.findall(r"configs/([\w.-]+\.yaml)", page.read_text()):
+        assert (ROOT / "configs" / name).exists(), f"{page.name} names configs/{name}, which does not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_named_commands_exist(page):
+    for _, block in FENCE.findall(page.read_text()):
+        for command in re.findall(r"(?:^|[\s/])ddcl-vq ([a-z][a-z-]*)", block):
+            assert command in COMMANDS, f"{page.name}: `ddcl-vq {command}` is not a command ({', '.join(COMMANDS)})"
+
+
+def test_design_defaults_are_the_constructors():
+    """Every `name=value` in the default and what-it-does columns of design.md's table of DDCL defaults
+    is DDCLQuantizer's default for that argument (the alternatives column names other values)."""
+    text = (DOCS / "design.md").read_text()
+    table = text.split("## How the default works", 1)[1].split("\n\n", 2)[1]
+    signature = inspect.signature(DDCLQuantizer).parameters
+    checked = 0
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for name, value in re.findall(r"`(\w+)=([^`]+)`", cells[1] + " " + cells[2]):
+            assert name in signature, f"design.md names {name!r}, not an argument of DDCLQuantizer"
+            assert signature[name].default == ast.literal_eval(value), \
+                f"design.md says {name}={value}, DDCLQuantizer's default is {signature[name].default!r}"
+            checked += 1
+    assert checked >= 8
