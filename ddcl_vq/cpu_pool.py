@@ -1,7 +1,7 @@
 """A small process-wide pool of single-threaded CPU workers for blocked computations.
 
 :func:`run_blocks` runs one computation made of independent row blocks (the fused and
-chunked DDCL assignment in :mod:`ddcl_vq.assignment`): one worker does the set-up, every
+chunked DDCL assignment in :mod:`ddcl_vq.fused`): one worker does the set-up, every
 worker takes a static round-robin share of the blocks (so float sums are deterministic),
 one worker reduces and finishes. Each worker's ops are single-threaded, so a call costs two
 barriers instead of one intra-op fork/join per op (dozens per block), which matters most

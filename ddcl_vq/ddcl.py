@@ -43,11 +43,12 @@ import torch
 from torch import Tensor, nn
 
 from .assignment import IMPLEMENTATIONS as _PATHS
-from .assignment import Assignment, SoftStatistics, assign, soft_statistics
+from .assignment import Assignment, assign
 from .base import (QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten,
                    squared_distances, unflatten)
 from .distributed import all_reduce_sum_, broadcast_, world_size
 from .kmeans import kmeans_init_
+from .statistics import SoftStatistics, soft_statistics
 
 MODES = ("soft", "straight_through", "soft_straight_through")
 CODEBOOK_UPDATES = ("mstep", "gradient")
@@ -94,7 +95,7 @@ def rotate_to(z: Tensor, code: Tensor) -> Tensor:
 
 
 #: above this many codes the M-step's soft statistics use each vector's TRUNCATED_SUPPORT nearest
-#: codes (see :func:`ddcl_vq.assignment.soft_statistics`); up to it, every code (exact)
+#: codes (see :func:`ddcl_vq.statistics.soft_statistics`); up to it, every code (exact)
 TRUNCATE_ABOVE = 4096
 TRUNCATED_SUPPORT = 64
 
@@ -166,7 +167,7 @@ class DDCLQuantizer(Quantizer):
             one N×K tensor kept (none in ``straight_through`` mode); ``"chunked"``: like fused but
             recomputes per block in backward, extra memory O(chunk_size·K); ``"auto"`` (default):
             fused, or chunked when the N×K tensor fused would keep exceeds ``chunk_threshold_bytes``.
-        chunk_size: rows per block for fused/chunked (default :func:`ddcl_vq.assignment.block_rows`:
+        chunk_size: rows per block for fused/chunked (default :func:`ddcl_vq.blocks.block_rows`:
             on the CPU about 2**18 / K rows, 64 to 1024; on a GPU the whole batch within a 1 GiB budget).
         chunk_threshold_bytes: the ``"auto"`` switch point (default 64 MiB, e.g. N·K = 16M in
             float32). Above it memory wins over speed. Measured on a 2-core CPU at N = 8192,

@@ -3,9 +3,11 @@ never changes a result."""
 import pytest
 import torch
 
-import ddcl_vq.assignment as assignment
+import ddcl_vq.blocks as blocks
+import ddcl_vq.fused as fused
 from ddcl_vq import assign, cpu_pool
-from ddcl_vq.assignment import block_rows, chunk_rows, soft_statistics
+from ddcl_vq.blocks import block_rows, chunk_rows
+from ddcl_vq.statistics import soft_statistics
 
 GiB = 2**30
 
@@ -45,16 +47,16 @@ def test_gpu_blocks_are_equal_and_within_budget():
             for budget in (2**20, 2**26, GiB):
                 rows = block_rows("cuda", n, k, itemsize=4, memory_budget_bytes=budget)
                 assert 1 <= rows <= n
-                blocks = -(-n // rows)
+                num_blocks = -(-n // rows)
                 assert rows * 4 * 4 * k <= budget or rows == 1
                 # fewest blocks: one block fewer would not fit
-                assert blocks == 1 or -(-n // (blocks - 1)) * 4 * 4 * k > budget
+                assert num_blocks == 1 or -(-n // (num_blocks - 1)) * 4 * 4 * k > budget
 
 
 def test_default_budget_is_read_at_call_time(monkeypatch):
-    assert assignment.DEVICE_BLOCK_BUDGET_BYTES == GiB
+    assert blocks.DEVICE_BLOCK_BUDGET_BYTES == GiB
     assert block_rows("cuda", 8192, 8192) == 8192
-    monkeypatch.setattr(assignment, "DEVICE_BLOCK_BUDGET_BYTES", GiB // 4)
+    monkeypatch.setattr(blocks, "DEVICE_BLOCK_BUDGET_BYTES", GiB // 4)
     assert block_rows("cuda", 8192, 8192) == 2048
 
 
@@ -125,34 +127,34 @@ def _soft_step(z, w, up, **kw):
 def test_fused_q_buffer_is_reused_only_after_the_graph_is_freed():
     torch.manual_seed(0)
     z, w, up = torch.randn(300, 6), torch.randn(40, 6), torch.randn(300, 6)
-    previous = assignment.set_buffer_reuse(True)
+    previous = fused.set_buffer_reuse(True)
     try:
-        assignment.release_buffers()
+        fused.release_buffers()
         a, zz, ww, loss = _soft_step(z, w, up)
         loss.backward()
-        held = assignment._SPARE[torch.float32]
+        held = fused._SPARE[torch.float32]
         assert len(held) == 1 and held[0].numel() == 300 * 40
         ptr = held[0].data_ptr()
         first = (a.soft.detach(), zz.grad, ww.grad)
         # the next step of the same (or a smaller) size takes it: same results
         a, zz, ww, loss = _soft_step(z, w, up)
-        assert not assignment._SPARE[torch.float32]
+        assert not fused._SPARE[torch.float32]
         loss.backward()
-        assert assignment._SPARE[torch.float32][0].data_ptr() == ptr
+        assert fused._SPARE[torch.float32][0].data_ptr() == ptr
         for x, y in zip(first, (a.soft.detach(), zz.grad, ww.grad)):
             assert torch.equal(x, y)
         # retain_graph: the graph keeps its q, nothing is handed back, and a later forward in
         # between does not disturb the second backward
-        assignment.release_buffers()
+        fused.release_buffers()
         a, zz, ww, loss = _soft_step(z, w, up)
         loss.backward(retain_graph=True)
-        assert not assignment._SPARE.get(torch.float32)
+        assert not fused._SPARE.get(torch.float32)
         g1 = (zz.grad.clone(), ww.grad.clone())
         zz.grad, ww.grad = None, None
         b, zb, wb, loss_b = _soft_step(z.flip(0), w, up)    # another step meanwhile
         loss_b.backward()
         c, zc, wc, loss_c = _soft_step(z.flip(0), w, up)    # takes the buffer loss_b handed back
-        assert not assignment._SPARE.get(torch.float32)
+        assert not fused._SPARE.get(torch.float32)
         loss.backward()
         assert torch.equal(zz.grad, g1[0]) and torch.equal(ww.grad, g1[1])
         # two graphs alive at once: each has its own q
@@ -161,7 +163,7 @@ def test_fused_q_buffer_is_reused_only_after_the_graph_is_freed():
         (l1 + l2).backward()
         assert torch.equal(z1.grad, first[1]) and torch.equal(w1.grad, first[2])
     finally:
-        assignment.set_buffer_reuse(previous)
+        fused.set_buffer_reuse(previous)
 
 
 def test_buffer_reuse_switch_frees_and_gives_the_same_results():
@@ -169,17 +171,17 @@ def test_buffer_reuse_switch_frees_and_gives_the_same_results():
     z, w, up = torch.randn(200, 5, dtype=torch.float64), torch.randn(30, 5, dtype=torch.float64), \
         torch.randn(200, 5, dtype=torch.float64)
     results = []
-    previous = assignment.set_buffer_reuse(True)
+    previous = fused.set_buffer_reuse(True)
     try:
         for enabled in (True, True, False):
-            assignment.set_buffer_reuse(enabled)
+            fused.set_buffer_reuse(enabled)
             a, zz, ww, loss = _soft_step(z, w, up)
             loss.backward()
             results.append((a.soft.detach(), a.distortion.detach(), zz.grad, ww.grad))
-            assert bool(assignment._SPARE.get(torch.float64)) is enabled
-        assert assignment.release_buffers() == 0           # turning it off freed what was held
+            assert bool(fused._SPARE.get(torch.float64)) is enabled
+        assert fused.release_buffers() == 0           # turning it off freed what was held
     finally:
-        assignment.set_buffer_reuse(previous)
+        fused.set_buffer_reuse(previous)
     for run in results[1:]:
         for x, y in zip(results[0], run):
             assert torch.equal(x, y)

@@ -21,9 +21,10 @@ import shutil
 import pytest
 import torch
 
-import ddcl_vq.assignment as assignment
+import ddcl_vq.blocks as blocks
+import ddcl_vq.fused as fused
 from ddcl_vq import DDCLQuantizer, assign
-from ddcl_vq.assignment import soft_statistics
+from ddcl_vq.statistics import soft_statistics
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here (torch.cuda.is_available() is False); "
@@ -57,12 +58,12 @@ def run(impl, mode, dtype, n, k, d, device, seed=0, tau=0.1):
 def block_counts(monkeypatch):
     """Records the number of blocks of every blocked forward/backward."""
     seen = []
-    real = assignment.run_blocks
+    real = fused.run_blocks
 
     def spy(x, num_blocks, *args):
         seen.append(num_blocks)
         return real(x, num_blocks, *args)
-    monkeypatch.setattr(assignment, "run_blocks", spy)
+    monkeypatch.setattr(fused, "run_blocks", spy)
     return seen
 
 
@@ -73,7 +74,7 @@ def block_counts(monkeypatch):
 def test_fused_chunked_reference_agree_on_cuda(mode, dtype, budget, block_counts, monkeypatch):
     n, k, d = 3000, 700, 16
     if budget is not None:
-        monkeypatch.setattr(assignment, "DEVICE_BLOCK_BUDGET_BYTES", budget)
+        monkeypatch.setattr(blocks, "DEVICE_BLOCK_BUDGET_BYTES", budget)
     ref, ref_gz, ref_gw = run("reference", mode, dtype, n, k, d, "cuda")
     cpu, cpu_gz, cpu_gw = run("reference", mode, torch.float64, n, k, d, "cpu")
     for impl in ("fused", "chunked"):
@@ -125,7 +126,7 @@ def test_assign_on_cuda_matches_cpu_and_never_uses_the_worker_pool(codebook_only
 @pytest.mark.parametrize("budget", [None, 2**16], ids=["one-block", "forced-blocks"])
 def test_soft_statistics_on_cuda_match_cpu(support, budget, monkeypatch):
     if budget is not None:
-        monkeypatch.setattr(assignment, "DEVICE_BLOCK_BUDGET_BYTES", budget)
+        monkeypatch.setattr(blocks, "DEVICE_BLOCK_BUDGET_BYTES", budget)
     torch.manual_seed(0)
     z, w = torch.randn(4000, 12, dtype=torch.float64), torch.randn(200, 12, dtype=torch.float64)
     cpu = soft_statistics(z, w, 0.5, support=support)

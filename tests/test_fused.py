@@ -4,7 +4,8 @@ import threading
 import pytest
 import torch
 
-import ddcl_vq.assignment as assignment
+import ddcl_vq.blocks as blocks
+import ddcl_vq.fused as fused
 from ddcl_vq import assign, cpu_pool
 from ddcl_vq import DDCLQuantizer as _DDCLQuantizer
 
@@ -15,7 +16,8 @@ def DDCLQuantizer(*args, **kw):
     kw.setdefault("codebook_update", "gradient")
     kw.setdefault("temperature_reference", "dim")
     return _DDCLQuantizer(*args, **kw)
-from ddcl_vq.assignment import DDCLFunction, first_argmax, first_argmin
+from ddcl_vq.blocks import first_argmax, first_argmin
+from ddcl_vq.fused import DDCLFunction
 
 MODES = ["soft", "straight_through", "soft_straight_through"]
 # (N, K, D, chunk): chunk not dividing N, N < chunk, K = 1, K past the argmax block width
@@ -261,8 +263,8 @@ def test_public_softmax_fallback_gives_the_same_results(monkeypatch):
     torch.manual_seed(0)
     z, w, up = torch.randn(300, 6), torch.randn(40, 6), torch.randn(300, 6)
     results = []
-    for softmax in (assignment._softmax, assignment._softmax_public):
-        monkeypatch.setattr(assignment, "_softmax", softmax)
+    for softmax in (blocks.softmax_into, blocks.softmax_into_public):
+        monkeypatch.setattr(fused, "softmax_into", softmax)
         zz, ww = z.clone().requires_grad_(True), w.clone().requires_grad_(True)
         a = assign(zz, ww, 0.3, implementation="chunked", chunk_size=64)
         ((a.soft * up).sum() + a.distortion).backward()

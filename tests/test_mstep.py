@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.assignment import soft_statistics
+from ddcl_vq.statistics import soft_statistics
 from ddcl_vq.ddcl import rotate_to
 
 

@@ -6,7 +6,8 @@ import torch
 
 import ddcl_vq.ddcl as ddcl_module
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.assignment import SoftStatistics, first_min, soft_statistics, statistics_rows
+from ddcl_vq.blocks import first_min
+from ddcl_vq.statistics import SoftStatistics, soft_statistics, statistics_rows
 from ddcl_vq.base import squared_distances
 
 

@@ -70,7 +70,7 @@ def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float,
     seconds = (units * wide + other) * unit64
     extra = tensors * n * k * 4 + 8 * n * d * 4
     if name in ("ddcl-fused", "ddcl-chunked", "ddcl-soft-fused", "ddcl-soft-chunked"):
-        from ddcl_vq.assignment import chunk_rows
+        from ddcl_vq.blocks import chunk_rows
         extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers
     if name == "matmul6":
         extra += 2 * n * k * 4                # its N×K operands live outside the probe, but must fit

@@ -22,7 +22,7 @@ def _status_kb(field: str) -> Optional[int]:
 def release_held_buffers() -> None:
     """Free what the DDCL fused path keeps between steps (its q buffer), so that a probed run
     counts that memory as its own instead of finding it in the baseline."""
-    from ddcl_vq.assignment import release_buffers
+    from ddcl_vq.fused import release_buffers
     release_buffers()
 
 
