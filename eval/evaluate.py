@@ -9,8 +9,10 @@ a single-process pass up to float summation order.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
+import os
 import shlex
 import sys
 import warnings
@@ -95,6 +97,16 @@ def check_overrides(run_dir: Path, trained, asked) -> None:
                             "quantizer.implementation; to measure other settings, train a run with them")
 
 
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes (what an evaluation records of its checkpoint: freshness by content,
+    not by file times, which ``cp -p`` or a restored backup keep or fake)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
     if soft is None:
         return None
@@ -103,8 +115,11 @@ def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
 
 def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
                  overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
-                 write: bool = True) -> Dict:
-    """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict."""
+                 write: bool = True, made_by: str = "evaluate") -> Dict:
+    """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict.
+
+    ``made_by`` (``evaluate``, ``compare``, ``study``) is recorded with the command, so a later
+    ``compare`` knows whose result an eval.json is (it does not overwrite an ``evaluate`` one)."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.loop import setup_distributed
     from ddcl_vq.train.testset import reconstruction_pass
@@ -115,6 +130,10 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     run_dir = Path(run_dir)
     # config first (clear errors before any process group starts)
     cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
+    digest = file_digest(ckpt)
+    if step < cfg.train.steps and os.environ.get("RANK", "0") == "0":
+        print(f"note: {str(run_dir)!r} is at step {step} of {cfg.train.steps} (still training, or stopped early): "
+              f"evaluating its checkpoint of step {step}", file=sys.stderr)
     if write and rank() == 0:
         writable_dir(run_dir, "run directory")  # before the expensive pass
     device = setup_distributed(cfg.train.device)["device"]
@@ -142,6 +161,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "step": step,
         "train_steps": cfg.train.steps,
         "checkpoint": str(ckpt),
+        "checkpoint_sha256": digest,  # what freshness is judged by (with step, split, images, overrides)
+        "made_by": made_by,
         "dataset": cfg.data.name,
         "split": split,
         "num_images": result["num_images"],
@@ -170,10 +191,20 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     return out
 
 
-def write_eval(run_dir: Path, ev: Dict) -> Path:
-    """RUN_DIR/eval.json, atomically (temporary file, rename)."""
-    path = Path(run_dir) / "eval.json"
-    tmp = path.with_name(".eval.json.tmp")
+def eval_path(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
+    """Where an evaluation goes: RUN_DIR/eval.json, or ``out`` (a .json file, or a folder to write
+    eval.json into) for a run directory that cannot or should not be written (an archived run)."""
+    if out is None:
+        return Path(run_dir) / "eval.json"
+    out = Path(out)
+    return out / "eval.json" if out.is_dir() or out.suffix.lower() != ".json" else out
+
+
+def write_eval(run_dir: Path, ev: Dict, path: Optional[Path] = None) -> Path:
+    """RUN_DIR/eval.json (or ``path``), atomically (temporary file, rename)."""
+    path = Path(path) if path is not None else Path(run_dir) / "eval.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(ev, indent=2) + "\n")
         tmp.replace(path)
@@ -230,6 +261,9 @@ class EvaluateOptions:
     max_images: int = option(0, "first N images of the split (0 = all)")
     batch_size: int = option(256, "images per batch")
     quiet: bool = option(False, "no progress bar or table")
+    out: Optional[str] = option(None, "write the evaluation here instead of RUN_DIR/eval.json: a .json file, or a "
+                                      "folder to write eval.json into (e.g. for a read-only, archived run)",
+                                metavar="PATH")
     overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
                                   metavar="key=value")
 
@@ -245,17 +279,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ddcl_vq.distributed import rank
 
-    from ddcl_vq.train.rundir import writable_dir
+    from ddcl_vq.train.rundir import RunDirError, writable_dir
 
     cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
+    path = eval_path(opts.run_dir, opts.out)
     if rank() == 0 and Path(opts.run_dir).is_dir():
-        writable_dir(Path(opts.run_dir), "run directory")  # before the expensive pass
+        try:  # before the expensive pass
+            writable_dir(path.parent, "run directory" if opts.out is None else "--out folder")
+        except RunDirError as err:
+            hint = "; pass --out PATH to write the evaluation elsewhere" if opts.out is None else ""
+            raise EvaluateError(f"{err}{hint}") from None
     ev = evaluate_run(opts.run_dir, opts.split, opts.max_images, opts.batch_size, opts.overrides,
                       progress=not opts.quiet, command=cmd, write=False)
     if rank() != 0:
         return 0
     try:
-        path = write_eval(Path(opts.run_dir), ev)
+        path = write_eval(Path(opts.run_dir), ev, path)
     except EvaluateError:
         print(format_report(ev))  # the results, even when they cannot be saved
         raise

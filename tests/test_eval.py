@@ -205,8 +205,18 @@ def test_compare_two_runs_writes_every_file(tiny_runs, tmp_path):
     assert json.loads((out / "table.json").read_text())["rows"][1]["type"] == "hard"
     md = (out / "table.md").read_text()
     assert "| tiny_ddcl | ddcl | 32 |" in md and "perplexity" in md and "utilization     =" in md
-    for run in tiny_runs.values():  # evaluated on the asked number of images
-        assert json.loads((run / "eval.json").read_text())["num_images"] == 64
+    assert [r["num_images"] for r in rows] == [64, 64]  # evaluated on the asked number of images
+    for run in tiny_runs.values():
+        # the earlier `evaluate` results stay (130 and 40 images); compare keeps its own in OUT/evals
+        kept = json.loads((run / "eval.json").read_text())
+        assert kept["made_by"] == "evaluate" and kept["num_images"] in (130, 40)
+    stored = sorted((out / "evals").glob("*.json"))
+    assert len(stored) == 2 and all(json.loads(p.read_text())["num_images"] == 64 for p in stored)
+    assert all(json.loads(p.read_text())["command"].startswith("ddcl-vq compare") for p in stored)
+    assert not list(out.glob(".compare-*"))  # nothing of the staging folder left
+    mtimes = [p.stat().st_mtime_ns for p in stored]
+    compare([tiny_runs["ddcl"], tiny_runs["hard"]], out, max_images=64, batch_size=64, grid_images=3)
+    assert [p.stat().st_mtime_ns for p in stored] == mtimes  # fresh: reused, not evaluated again
 
 
 def test_quick_study_end_to_end(tmp_path):

@@ -219,7 +219,10 @@ def test_evaluation_records_what_it_was_made_with_and_is_reused_only_on_an_exact
 def test_compare_reevaluates_an_eval_json_made_with_overrides(small_run, tmp_path):
     evaluate_run(small_run, max_images=40, batch_size=64, overrides=["data.num_workers=0"])
     rows = compare([small_run], tmp_path / "cmp", max_images=40, batch_size=64, grid_images=2)
-    assert json.loads((small_run / "eval.json").read_text())["overrides"] == []
+    # compare does not overwrite an `evaluate` result: its own evaluation goes to OUT/evals
+    assert json.loads((small_run / "eval.json").read_text())["overrides"] == ["data.num_workers=0"]
+    (stored,) = (tmp_path / "cmp" / "evals").glob("*.json")
+    assert json.loads(stored.read_text())["overrides"] == []
     assert rows[0]["num_images"] == 40
 
 
