@@ -229,13 +229,28 @@ def test_every_shipped_config_validates(path):
 
 
 def test_config_defaults_are_the_library_defaults():
-    """A user who trains with the YAML defaults and one who writes DDCLQuantizer(K, D) get the
-    same quantizer: every constructor default the config passes equals the config's default."""
+    """Defaults are stated once, in the constructors: every keyword argument of a quantizer class
+    (but those NOT_IN_CONFIG lists, and decay, whose default differs per quantizer) is a quantizer.*
+    key with the constructor's default, the model's sizes are Encoder's and Decoder's defaults, and a
+    user who trains with the YAML defaults and one who writes DDCLQuantizer(K, D) get the same quantizer."""
     import inspect
 
     from ddcl_vq import DDCLQuantizer
-    from ddcl_vq.train.builders import quantizer_kwargs
-    from ddcl_vq.train.config import QuantizerConfig
+    from ddcl_vq.models import Decoder, Encoder
+    from ddcl_vq.train.builders import build_quantizer, quantizer_kwargs
+    from ddcl_vq.train.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
+
+    cfg = Config()
+    for qtype, cls in QUANTIZER_CLASSES.items():
+        for name, p in inspect.signature(cls).parameters.items():
+            if p.default is p.empty or name in NOT_IN_CONFIG or p.kind is p.VAR_KEYWORD:
+                continue
+            expected = None if name == "decay" else p.default
+            assert getattr(cfg.quantizer, name) == expected, (qtype, name)
+    assert set(NOT_IN_CONFIG) >= {"num_codes", "dim", "channel_dim", "schedule_steps"}
+    for name in ("channels", "num_res_blocks", "num_downsamples", "latent_dim", "res_hidden"):
+        assert getattr(cfg.model, name) == inspect.signature(Encoder).parameters[name].default \
+            == inspect.signature(Decoder).parameters[name].default, name
 
     passed = quantizer_kwargs(QuantizerConfig(), dim=8, steps=None)
     signature = inspect.signature(DDCLQuantizer).parameters
@@ -243,3 +258,28 @@ def test_config_defaults_are_the_library_defaults():
     assert {"temperature", "warmup_steps", "revive_criterion", "revive_threshold", "encoder_gradient"} <= compared.keys()
     assert compared == {name: signature[name].default for name in compared}
     assert DDCLQuantizer(16, 8).temperature == QuantizerConfig().temperature == 0.03
+    # decay unset: each quantizer keeps its own default (DDCL's M-step 0.9, EMAVQ 0.99)
+    assert build_quantizer(QuantizerConfig(), 8).decay == signature["decay"].default
+    ema = QuantizerConfig(type="ema")
+    assert "decay" not in quantizer_kwargs(ema, 8) and build_quantizer(ema, 8).decay == 0.99
+
+
+def test_config_choices_are_what_the_quantizers_accept():
+    """Each allowed value of a quantizer.* key builds the quantizer, and the first value outside
+    the choices is refused by the config with the key's name (the choices are the library's tuples)."""
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
+    from ddcl_vq.train.builders import build_quantizer
+    from ddcl_vq.train.config import CHOICES
+
+    assert CHOICES["quantizer.type"] == tuple(QUANTIZER_TYPES)
+    keys = [k for k in CHOICES if k.startswith("quantizer.") and k != "quantizer.type"]
+    assert {"quantizer.mode", "quantizer.codebook_update", "quantizer.implementation", "quantizer.distance"} <= set(keys)
+    for key in keys:
+        qtype = "hard" if key == "quantizer.distance" else "ddcl"
+        for value in CHOICES[key]:
+            extra = ["quantizer.temperature_final=0.01"] if key.endswith("temperature_schedule") else []
+            cfg = load_config(None, [f"quantizer.type={qtype}", f"{key}={value}"] + extra)
+            quantizer = build_quantizer(cfg.quantizer, 8, steps=10)
+            assert getattr(quantizer, key.split(".")[1], value) == value, (key, value)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"quantizer.type={qtype}", f"{key}=not_a_choice"])

@@ -12,9 +12,9 @@ from torch import nn
 
 from ddcl_vq import Quantizer
 from ddcl_vq.models import VQVAE, Decoder, Encoder
-from ddcl_vq.models.vqvae import CONFIG_FORMAT, build_quantizer_from_config
+from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, build_quantizer_from_config
 
-from .config import Config, QuantizerConfig, TrainConfig
+from .config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
 from .errors import one_line
 from .settings import ConfigError, nearest
 
@@ -56,24 +56,23 @@ def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
 def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
     """The configured quantizer's constructor arguments (``num_codes`` and ``dim`` included), plain
     values only: ``build_quantizer`` builds from them and ``VQVAE.save_pretrained`` writes them to
-    config.json. ``steps`` (train.steps) is the length of a DDCL temperature schedule."""
-    if q.type == "ddcl":
-        return dict(num_codes=q.num_codes, dim=dim, temperature=q.temperature,
-                    temperature_final=q.temperature_final, temperature_schedule=q.temperature_schedule,
-                    schedule_steps=steps, mode=q.mode, beta=q.beta, codebook_init=q.codebook_init,
-                    implementation=q.implementation, temperature_reference=q.temperature_reference,
-                    codebook_update=q.codebook_update, revive_threshold=q.revive_threshold,
-                    revive_criterion=q.revive_criterion, encoder_gradient=q.encoder_gradient,
-                    restart_step=q.restart_step, warmup_steps=q.warmup_steps,
-                    **({} if q.decay is None else {"decay": q.decay}))
-    if q.type == "hard":
-        return dict(num_codes=q.num_codes, dim=dim, beta=q.beta, distance=q.distance, kmeans_init=q.kmeans_init)
-    if q.type == "ema":
-        return dict(num_codes=q.num_codes, dim=dim, beta=q.beta, dead_code_threshold=q.dead_code_threshold,
-                    **({} if q.decay is None else {"decay": q.decay}))
+    config.json. ``steps`` (train.steps) is the length of a DDCL temperature schedule.
+
+    Every quantizer.* key that is a keyword argument of the type's class is passed (the config's
+    keys are those arguments, :data:`~ddcl_vq.train.config.QUANTIZER_CLASSES`); ``decay`` only when
+    set (None: the quantizer's own default); vqp: ``quantizer.vqp`` as it is."""
+    if q.type not in QUANTIZER_TYPES:
+        raise ValueError(f"expected quantizer.type in {', '.join(QUANTIZER_TYPES)}, got {q.type!r}")
+    kwargs: Dict[str, Any] = dict(num_codes=q.num_codes, dim=dim)
+    for name in quantizer_keys(q.type):
+        value = getattr(q, name)
+        if not (name in PER_QUANTIZER_DEFAULT and value is None):
+            kwargs[name] = value
+    if "schedule_steps" in inspect.signature(QUANTIZER_TYPES[q.type].__init__).parameters:
+        kwargs["schedule_steps"] = steps
     if q.type == "vqp":
-        return dict(num_codes=q.num_codes, dim=dim, **copy.deepcopy(q.vqp))
-    raise ValueError(f"expected quantizer.type in ddcl, hard, ema, vqp, got {q.type!r}")
+        kwargs.update(copy.deepcopy(q.vqp))
+    return kwargs
 
 
 def model_config(cfg: Config, in_channels: int) -> Dict[str, Any]:

@@ -6,21 +6,49 @@ Every key is checked up front (by :mod:`ddcl_vq.train.settings`, the checks ever
 settings go through): an unknown key is an error naming the key and the nearest valid one;
 a wrong type or a value outside a key's choices names the key, what was expected and what
 came. ``to_dict`` / ``from_dict`` round-trip exactly.
+
+Defaults and allowed values are stated once, where the code that uses them lives: the
+``model`` section is the model constructor's keyword arguments and defaults
+(:class:`~ddcl_vq.models.Encoder`), the ``quantizer`` section the quantizer classes' keyword
+arguments and defaults (:data:`QUANTIZER_CLASSES`; :data:`NOT_IN_CONFIG` lists the arguments
+a config does not set), and the choices of the DDCL keys are the library's own tuples
+(``ddcl_vq.ddcl.MODES`` ...). ``ddcl-vq train --config X --print-config`` shows every value.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ
+from ddcl_vq import ddcl as _ddcl
+from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
+
 from .settings import ConfigError, Rules, apply, check, keys_of, leaves, nearest
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
-           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml"]
+           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
+           "NOT_IN_CONFIG", "signature_fields"]
+
+
+def signature_fields(fn: Any, skip: Sequence[str] = ()) -> List[Tuple[str, Any, Any]]:
+    """``(name, type, dataclasses.field(default=...))`` for every keyword argument of ``fn`` that has
+    a default, in signature order, except ``skip`` (what ``dataclasses.make_dataclass`` takes)."""
+    hints = typing.get_type_hints(fn)
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "self" or p.name in skip or p.default is p.empty:
+            continue
+        if p.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+            continue
+        out.append((p.name, hints.get(p.name, Any), field(default=p.default)))
+    return out
 
 
 @dataclass
@@ -42,43 +70,61 @@ class DataConfig:
                                              # 0 for the in-memory datasets (batches gathered in one indexing op)
 
 
-@dataclass
-class ModelConfig:
-    channels: int = 64
-    num_res_blocks: int = 2
-    res_hidden: int = 32
-    num_downsamples: int = 2                 # 32x32 -> 8x8 latents
-    latent_dim: int = 64                     # D
+#: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels
+#: (which come from the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents
+#: at 2), latent_dim (D), res_hidden
+ModelConfig = dataclasses.make_dataclass("ModelConfig", signature_fields(Encoder.__init__, skip=("in_channels",)))
+ModelConfig.__module__ = __name__
+ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword arguments and defaults (image channels aside)."
+
+#: quantizer.type -> the class whose keyword arguments (and defaults) are the config's quantizer.* keys
+#: (``vqp`` has none of its own: ``quantizer.vqp`` is passed to vector-quantize-pytorch as it is)
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ}
+#: constructor arguments that are not quantizer.* keys, and where their value comes from
+NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
+                 "schedule_steps": "train.steps", "chunk_size": "the constructor default",
+                 "chunk_threshold_bytes": "the constructor default", "eps": "the constructor default"}
+#: keys several quantizers share whose defaults differ between them: None = "the quantizer's own default"
+#: (ddcl 0.9, ema 0.99)
+PER_QUANTIZER_DEFAULT = ("decay",)
 
 
-@dataclass
-class QuantizerConfig:
-    type: str = "ddcl"                       # ddcl | hard | ema | vqp
-    num_codes: int = 512                     # K
-    # ddcl
-    mode: str = "straight_through"
-    temperature: float = 0.03                # tau: softmax(-d / (tau * reference scale)); schedule start
-    temperature_reference: str = "data"      # data (running mean nearest-code distance) | dim (D)
-    temperature_schedule: str = "constant"   # constant | cosine | exponential (anneal over train.steps)
-    temperature_final: Optional[float] = None  # end of a cosine/exponential schedule
-    codebook_update: str = "mstep"           # mstep (EMA of DDCL's soft M-step) | gradient (optimizer at rho*lr)
-    revive_threshold: float = 0.03           # re-seed codes whose EMA usage < this x N/K (0 = off)
-    revive_criterion: str = "usage"          # usage (EMA of hard counts) | mass (EMA of soft mass)
-    restart_step: int = 0                    # re-fit the codebook by k-means at this training step (0 = never)
-    warmup_steps: int = 100                  # blend the decoder's input from z to the code over these steps (0 = off)
-    encoder_gradient: str = "identity"       # identity (straight-through) | rotation (rotation trick)
-    codebook_init: str = "kmeans"
-    implementation: str = "auto"             # auto | reference | fused | chunked (same results, see bench)
-    # ddcl, hard, ema
-    beta: float = 0.25                       # commitment weight
-    # hard
-    distance: str = "euclidean"
-    kmeans_init: bool = False
-    # ddcl (M-step statistics) and ema (codebook); None: the quantizer's default (ddcl 0.9, ema 0.99)
-    decay: Optional[float] = None
-    dead_code_threshold: float = 0.0
-    # vqp: keyword arguments passed to vector_quantize_pytorch.VectorQuantize as they are
-    vqp: Dict[str, Any] = field(default_factory=dict)
+def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
+    fields: Dict[str, Tuple[str, Any, Any]] = {
+        "type": ("type", str, field(default="ddcl")),
+        "num_codes": ("num_codes", int, field(default=512)),
+    }
+    owners: Dict[str, str] = {}
+    for qtype, cls in QUANTIZER_CLASSES.items():
+        for name, annotation, f in signature_fields(cls.__init__, skip=tuple(NOT_IN_CONFIG) + PER_QUANTIZER_DEFAULT):
+            if name in fields:  # a key two quantizers share (beta) has one default
+                if name in owners and fields[name][2].default != f.default:
+                    raise TypeError(f"quantizer.{name}: {owners[name]} and {qtype} default to "
+                                    f"{fields[name][2].default!r} and {f.default!r}; add it to PER_QUANTIZER_DEFAULT")
+                continue
+            fields[name], owners[name] = (name, annotation, f), qtype
+    for name in PER_QUANTIZER_DEFAULT:
+        fields[name] = (name, Optional[float], field(default=None))
+    fields["vqp"] = ("vqp", Dict[str, Any], field(default_factory=dict))
+    return list(fields.values())
+
+
+#: the quantizer section: type, num_codes, then every quantizer class's keyword arguments with its
+#: default (DDCLQuantizer's, then HardVQ's, then EMAVQ's; a shared one like beta once), decay
+#: (None: the quantizer's default) and vqp (keyword arguments for vector_quantize_pytorch.VectorQuantize)
+QuantizerConfig = dataclasses.make_dataclass("QuantizerConfig", _quantizer_fields())
+QuantizerConfig.__module__ = __name__
+QuantizerConfig.__doc__ = ("The quantizer: ``type``, ``num_codes`` (K) and the quantizer classes' keyword arguments "
+                           "with their defaults (see QUANTIZER_CLASSES).")
+
+
+def quantizer_keys(qtype: str) -> List[str]:
+    """The quantizer.* keys that are constructor arguments of ``qtype``'s class (``[]`` for vqp)."""
+    cls = QUANTIZER_CLASSES.get(qtype)
+    if cls is None:
+        return []
+    params = inspect.signature(cls.__init__).parameters
+    return [f.name for f in dataclasses.fields(QuantizerConfig) if f.name in params and f.name not in NOT_IN_CONFIG]
 
 
 @dataclass
@@ -120,17 +166,18 @@ class Config:
 
 CHOICES = {
     "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches"),
-    "quantizer.type": ("ddcl", "hard", "ema", "vqp"),
-    "quantizer.mode": ("soft", "straight_through", "soft_straight_through"),
-    "quantizer.codebook_init": ("uniform", "normal", "kmeans"),
-    "quantizer.temperature_reference": ("data", "dim"),
-    "quantizer.codebook_update": ("mstep", "gradient"),
-    "quantizer.encoder_gradient": ("identity", "rotation"),
-    "quantizer.revive_criterion": ("usage", "mass"),
-    "quantizer.implementation": ("auto", "reference", "fused", "chunked"),
-    "quantizer.distance": ("euclidean", "cosine"),
+    "quantizer.type": tuple(QUANTIZER_TYPES),
+    # DDCLQuantizer's allowed values, as the library states them
+    "quantizer.mode": _ddcl.MODES,
+    "quantizer.codebook_init": _ddcl.INITS,
+    "quantizer.temperature_reference": _ddcl.TEMPERATURE_REFERENCES,
+    "quantizer.codebook_update": _ddcl.CODEBOOK_UPDATES,
+    "quantizer.encoder_gradient": _ddcl.ENCODER_GRADIENTS,
+    "quantizer.revive_criterion": _ddcl.REVIVE_CRITERIA,
+    "quantizer.implementation": _ddcl.IMPLEMENTATIONS,
+    "quantizer.temperature_schedule": _ddcl.SCHEDULES,
+    "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
     "train.lr_schedule": ("constant", "cosine"),
-    "quantizer.temperature_schedule": ("constant", "cosine", "exponential"),
     "train.amp": ("none", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
 }
