@@ -1,0 +1,140 @@
+"""``ddcl-vq export RUN_DIR OUT_DIR --format diffusers``: a VQGAN run -> a plain ``diffusers.VQModel`` folder.
+
+A run trained with ``model.arch: vqgan`` is diffusers' VQModel encoder/decoder with our quantizer in
+the VectorQuantizer's place (:mod:`ddcl_vq.models.vqgan`). This export writes what diffusers itself
+writes for a VQModel (``VQModel.save_pretrained``: ``config.json`` + ``diffusion_pytorch_model.safetensors``)
+with the trained codebook as ``quantize.embedding.weight``, plus a README.md. Loading it needs diffusers
+and torch only — no ddcl-vq::
+
+    from diffusers import VQModel
+    vq = VQModel.from_pretrained("OUT_DIR")
+    quant = vq.quantize.get_codebook_entry(indices.flatten(), (B, h, w, vq.config.vq_embed_dim))
+    images = vq.decode(quant, force_not_quantize=True).sample          # the same as ddcl-vq's decode_indices
+    # or end to end: vq(images).sample (diffusers' own nearest-code search: the same codes up to exact ties)
+
+Before returning, the command loads the folder with ``VQModel.from_pretrained`` and checks that it
+decodes the run's hard codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (max
+absolute difference, images in [0, 1]; the same modules and weights, so 0 is what is measured on
+one machine), and reports how many of the codes diffusers' own encoder + nearest-code search picks
+agree with the run's.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+#: the largest max |difference| allowed between the run's and the exported VQModel's decoded images
+DECODE_ATOL = 1e-5
+FILES = ("config.json", "diffusion_pytorch_model.safetensors", "README.md")
+
+
+def _error(message: str) -> Exception:
+    from .export import ExportError
+    return ExportError(message)
+
+
+def to_vqmodel(model):
+    """A ``diffusers.VQModel`` holding the weights of a VQGAN ``model`` (a ddcl-vq VQVAE with arch vqgan)
+    and its hard codebook; eval mode."""
+    from diffusers import VQModel
+
+    from ddcl_vq.models.vqgan import diffusers_config, diffusers_state_dict
+
+    config = diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes)
+    vq = VQModel(**config)
+    vq.load_state_dict(diffusers_state_dict(model), strict=True)
+    return vq.eval()
+
+
+def decode_with_vqmodel(vq, indices: torch.Tensor) -> torch.Tensor:
+    """(B, h, w) code indices -> (B, C, H, W) images, as a diffusers user decodes them."""
+    b, h, w = indices.shape
+    quant = vq.quantize.get_codebook_entry(indices.reshape(-1), (b, h, w, vq.config.vq_embed_dim))
+    return vq.decode(quant, force_not_quantize=True).sample
+
+
+def model_card(config: Dict, source: Dict, check: Dict) -> str:
+    size = config["sample_size"]
+    lines = ["---", "library_name: diffusers", "tags:", "- vq-vae", "- vqgan", "- image-tokenizer", "- ddcl", "---", "",
+             f"# {source['name']}: a VQGAN image tokenizer (diffusers VQModel) trained with ddcl-vq", "",
+             f"K = {config['num_vq_embeddings']} codes of dimension {config['vq_embed_dim']} "
+             f"({source['quantizer_type']} codebook, trained {source['step']} steps); "
+             f"{config['in_channels']}x{size}x{size} images in [0, 1] (diffusers VQModel convention for this "
+             "export: the range the model was trained on, [0, 1], not [-1, 1]).", "",
+             "```python", "from diffusers import VQModel", "", 'vq = VQModel.from_pretrained("this folder or hub id")',
+             "codes = ...  # (B, h, w) long indices in [0, K)",
+             "quant = vq.quantize.get_codebook_entry(codes.flatten(), (*codes.shape, vq.config.vq_embed_dim))",
+             "images = vq.decode(quant, force_not_quantize=True).sample", "```", "",
+             f"Checked at export: decodes the run's hard codes to the run's images, max |difference| "
+             f"{check['max_abs_diff']:.3g} (tolerance {DECODE_ATOL:g}); diffusers' own nearest-code search "
+             f"picks the run's codes for {check['index_agreement']:.2%} of latent positions."]
+    return "\n".join(lines) + "\n"
+
+
+def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Dict:
+    """Write the diffusers VQModel folder of a VQGAN run and check it; returns what was done."""
+    from diffusers import VQModel
+
+    from ddcl_vq.eval.evaluate import load_run
+
+    from .export import _check_inputs
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    cfg, model, step, ckpt = load_run(run_dir)
+    if getattr(cfg.model, "arch", "vqvae") != "vqgan":
+        raise _error(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel encoder/decoder); "
+                     f"{str(run_dir)!r} is a {cfg.model.arch} run: export it with --format ddcl-vq")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise _error(f"{str(out_dir)!r} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise _error(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
+    if out_dir.resolve() == run_dir.resolve():
+        raise _error("OUT_DIR must not be the run directory")
+    model = model.cpu().eval()
+    codes = torch.arange(model.quantizer.num_codes)
+    with torch.no_grad():
+        looked_up = model.quantizer.lookup(codes[:, None, None]).reshape(len(codes), -1)
+    if not torch.equal(looked_up.float(), model.quantizer.codebook.detach().float()):
+        raise _error(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
+                     f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
+
+    vq = to_vqmodel(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vq.save_pretrained(str(out_dir), safe_serialization=True)
+
+    # the check: the folder, loaded by diffusers alone, decodes the run's hard codes to the run's images
+    x = _check_inputs(model, cfg)
+    loaded = VQModel.from_pretrained(str(out_dir)).eval()
+    with torch.no_grad():
+        indices = model.encode_indices(x)
+        ours = model.decode_indices(indices)
+        theirs = decode_with_vqmodel(loaded, indices)
+        diff = float((ours - theirs).abs().max())
+        _, _, (_, _, their_indices) = loaded.quantize(loaded.encode(x).latents)
+    agreement = float((their_indices.reshape(indices.shape) == indices).float().mean())
+    if not diff <= DECODE_ATOL:  # pragma: no cover - a bug, not a user error
+        raise RuntimeError(f"the diffusers export in {out_dir} decodes the run's codes with max |difference| {diff:g} "
+                           f"> {DECODE_ATOL:g}")
+    check = {"max_abs_diff": diff, "index_agreement": agreement, "checked_images": int(x.shape[0]),
+             "tolerance": DECODE_ATOL}
+    source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "README.md").write_text(model_card(config, source, check))
+    return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
+            "quantizer_type": cfg.quantizer.type, **check,
+            "files": {name: (out_dir / name).stat().st_size for name in FILES if (out_dir / name).exists()}}
+
+
+def report(done: Dict, out_dir: str, quiet: bool = False) -> Optional[str]:
+    if quiet:
+        return None
+    lines = [f"wrote {Path(out_dir) / name} ({size:,} bytes)" for name, size in done["files"].items()]
+    lines.append(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: "
+                 f"diffusers.VQModel.from_pretrained decodes the run's hard codes of {done['checked_images']} images "
+                 f"with max |difference| {done['max_abs_diff']:.3g} (tolerance {done['tolerance']:g}); its own "
+                 f"nearest-code search agrees on {done['index_agreement']:.2%} of codes")
+    lines.append(f"load it without ddcl-vq: from diffusers import VQModel; VQModel.from_pretrained({str(out_dir)!r})")
+    return "\n".join(lines)

