@@ -23,6 +23,7 @@ COMMANDS = {
     "export": ("ddcl_vq.eval.tokens.export", "a run -> a model folder (config.json + safetensors) for VQVAE.from_pretrained"),
     "tokenize": ("ddcl_vq.eval.tokens.tokenize_split", "a dataset split -> hard code indices (.npy / safetensors) for a prior"),
     "decode": ("ddcl_vq.eval.tokens.decode", "code indices (.npy / safetensors) -> a PNG grid of decoded images"),
+    "prior": ("ddcl_vq.eval.prior.cli", "a transformer prior over the codes: train, sample (-> images), evaluate, study"),
 }
 
 
