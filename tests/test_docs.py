@@ -1,7 +1,8 @@
 """docs/ and the README agree with the repository: links resolve, the index lists every page, the
-configs and commands they name exist, no snippet hides behind an unknown fence tag, and the table
-of DDCL defaults says what ``DDCLQuantizer``'s signature says."""
+files, modules, commands and command options they name exist, no snippet hides behind an unknown
+fence tag, and the table of DDCL defaults says what ``DDCLQuantizer``'s signature says."""
 import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -81,16 +82,64 @@ def test_fences_are_python_bash_or_plain(page):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
-def test_named_configs_exist(page):
-    for name in re.findall(r"configs/([\w.-]+\.yaml)", page.read_text()):
-        assert (ROOT / "configs" / name).exists(), f"{page.name} names configs/{name}, which does not exist"
-
-
-@pytest.mark.parametrize("page", PAGES, ids=IDS)
 def test_named_commands_exist(page):
     for _, block in FENCE.findall(page.read_text()):
         for command in re.findall(r"(?:^|[\s/])ddcl-vq ([a-z][a-z-]*)", block):
             assert command in COMMANDS, f"{page.name}: `ddcl-vq {command}` is not a command ({', '.join(COMMANDS)})"
+
+
+def resolve(dotted: str):
+    """The module or attribute a dotted ``ddcl_vq....`` name stands for (ImportError/AttributeError if none)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_named_code_exists(page):
+    """Every ``ddcl_vq.x.y`` a page names imports, and every repository file it names exists."""
+    text = page.read_text()
+    for dotted in sorted(set(re.findall(r"\b(ddcl_vq(?:\.\w+)+)", text))):
+        try:
+            resolve(dotted)
+        except (ImportError, AttributeError) as err:
+            pytest.fail(f"{page.name} names {dotted}, which does not resolve: {err}")
+    folders = "ddcl_vq|models|train|eval|tests|scripts|configs"
+    for path in sorted(set(re.findall(rf"(?<![\w/.])((?:{folders})/[\w/.-]*\w\.(?:py|sh|yaml))", text))):
+        assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
+
+
+def command_lines():
+    """(page, command, the text after `ddcl-vq COMMAND`) for every command line in a fenced block."""
+    for page in PAGES:
+        for _, block in FENCE.findall(page.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                for command, rest in re.findall(r"(?:^|[\s/])ddcl-vq ([a-z][a-z-]*)([^#]*)", line):
+                    yield page, command, rest
+
+
+def test_named_options_exist(capsys):
+    """Every --option written after `ddcl-vq COMMAND` is in that command's --help."""
+    helps, checked = {}, 0
+    for page, command, rest in command_lines():
+        if command not in COMMANDS:
+            continue  # test_named_commands_exist says so
+        if command not in helps:
+            with pytest.raises(SystemExit):
+                importlib.import_module(COMMANDS[command][0]).main(["--help"])
+            helps[command] = capsys.readouterr().out
+        for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert re.search(rf"{option}(?![\w-])", helps[command]), \
+                f"{page.name}: `ddcl-vq {command} {option}` is not an option of ddcl-vq {command}"
+            checked += 1
+    assert checked >= 20
 
 
 def test_design_defaults_are_the_constructors():
