@@ -15,8 +15,8 @@ same assignment and decomposition code as :class:`~ddcl_vq.DDCLQuantizer`, no se
    sequence's prototype histogram h_b (a bag-of-prototypes readout). Cost is O(T·K·D) per
    sequence — linear in T, no T×T term. The loss is the DDCL distortion over the batch's
    real tokens, L_q = mean Σ_k q d = L_OLS + V (exact), reported with its two parts.
-   Defaults chosen by measurement (``ddcl-vq readout-study``; README, section "DDCL readout
-   and hierarchical compressor"): the distortion is computed on sg(tokens) (it trains the
+   Defaults chosen by measurement (``ddcl-vq readout-study``; docs/readout.md, "Design decisions"
+   and "Results"): the distortion is computed on sg(tokens) (it trains the
    prototypes; the encoder learns from the task), the outputs carry a straight-through token gradient (values stay the soft summaries),
    prototypes start from k-means on the first batch, τ = 0.1, prototype lr ratio ρ = 10.
 
@@ -52,7 +52,7 @@ from .kmeans import kmeans_init_
 PROTOTYPE_INITS = ("normal", "kmeans")
 READOUT_MODES = ("soft", "straight_through")
 
-# Measured with `ddcl-vq readout-study` (README, "DDCL readout and hierarchical compressor"): the default
+# Measured with `ddcl-vq readout-study` (docs/readout.md): the default
 # temperature and prototype learning-rate ratio of the readout.
 DEFAULT_TEMPERATURE = 0.1
 DEFAULT_PROTOTYPE_LR_RATIO = 10.0
@@ -165,7 +165,7 @@ class DDCLReadout(nn.Module):
             quantizer's ``straight_through`` codebook rule): it trains the prototypes, and the
             encoder learns from the task loss alone (through q). True: the paper's joint form, the
             distortion also pulls the encoder's tokens toward the prototypes. Measured on
-            Fashion-MNIST (README, readout section): the joint form trains the classifier slower
+            Fashion-MNIST (docs/readout.md): the joint form trains the classifier slower
             (its V term sharpens q, which cuts the task gradient through q) and at τ = 1 collapses
             (every token on one prototype).
         task_grad_to_prototypes: True (default): the task loss also moves the prototypes (through
@@ -176,7 +176,7 @@ class DDCLReadout(nn.Module):
             as the gradient through q (s + x − sg(x)), as the quantizer's straight-through mode.
             ``"soft"`` (the paper's readout): the task gradient reaches the tokens only through q,
             whose sensitivity ∝ Cov_q(w)/(τ·D) fades as assignments sharpen. Measured: the
-            straight-through form classifies better (README, readout section).
+            straight-through form classifies better (docs/readout.md).
         Unless both flags are True, the loss terms come from a second
         :func:`~ddcl_vq.assignment.assign` call with their own gradient paths (same values; the
         readout's O(N·K·D) cost doubles, still small next to an encoder layer).
