@@ -20,9 +20,12 @@ from .assignment import Assignment, assign
 from .base import Quantizer, QuantizerOutput
 from .ddcl import DDCLQuantizer
 from .ema import EMAVQ
+from .fsq import FSQQuantizer
 from .hard import HardVQ
+from .lfq import LFQQuantizer
 from .readout import (CompressorOutput, DDCLReadout, HierarchicalCompressor, ReadoutOutput,
                       prototype_param_groups)
+from .simvq import SimVQQuantizer
 from .usage import USAGE_DEFINITIONS, CodebookUsage, UsageStats
 from .vqp import VQPQuantizer
 
@@ -31,6 +34,6 @@ __version__ = "0.1.0"
 __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "Assignment", "assign",
-    "HardVQ", "EMAVQ", "VQPQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
+    "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer", "SimVQQuantizer", "LFQQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
     "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
 ]

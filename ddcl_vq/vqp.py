@@ -5,12 +5,25 @@ included in the ``dev`` extra); it is imported only when this class is built.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
+
+
+def peer_class(name: str, qtype: str) -> type:
+    """``vector_quantize_pytorch.<name>``, imported now (the package is an optional dependency:
+    ddcl_vq imports without it); a missing package is an ImportError saying how to install it."""
+    try:
+        module = importlib.import_module("vector_quantize_pytorch")
+    except ImportError as err:  # pragma: no cover - exercised only without the package
+        raise ImportError(
+            f"quantizer type {qtype!r} needs the vector-quantize-pytorch package: "
+            "pip install vector-quantize-pytorch (or install ddcl-vq with the 'dev' extra)") from err
+    return getattr(module, name)
 
 
 class VQPQuantizer(Quantizer):
@@ -25,12 +38,7 @@ class VQPQuantizer(Quantizer):
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **vq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
-        try:
-            from vector_quantize_pytorch import VectorQuantize
-        except ImportError as err:  # pragma: no cover - exercised only without the package
-            raise ImportError(
-                "quantizer type 'vqp' needs the vector-quantize-pytorch package: "
-                "pip install vector-quantize-pytorch (or install ddcl-vq with the 'dev' extra)") from err
+        VectorQuantize = peer_class("VectorQuantize", "vqp")
         self.vq_kwargs = dict(vq_kwargs)
         self.vq = VectorQuantize(dim=dim, codebook_size=num_codes, **vq_kwargs)
 

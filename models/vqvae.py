@@ -22,10 +22,12 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, Quantizer, QuantizerOutput, VQPQuantizer
+from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, HardVQ, LFQQuantizer, Quantizer, QuantizerOutput,
+                     SimVQQuantizer, VQPQuantizer)
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
-QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer}
+QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -110,7 +112,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         {"format": "ddcl-vq/vqvae",
          "encoder_kwargs": {...Encoder arguments...}, "decoder_kwargs": {...Decoder arguments...},
-         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
 
     ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ and schedule step, for reading:
     the state itself is in the weights file) and keeps any other keys of ``model.config``

@@ -1,0 +1,74 @@
+"""SimVQ (Zhu et al. 2024, "Addressing Representation Collapse in Vector Quantized Models with One
+Linear Layer") behind ddcl_vq's interface.
+
+The quantizer is vector-quantize-pytorch's ``SimVQ`` (an optional dependency, imported only when
+this class is built): a frozen random codebook C (K x D, entries N(0, 1/D)) behind a learned linear
+map W; the codes are W(C), the nearest one wins, and the loss ‖sg(z) − W(c)‖² + β‖z − sg(W(c))‖²
+(each a mean over elements) trains W and the encoder. Every code moves whenever W moves, which is
+the paper's answer to codebook collapse.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import Tensor, nn
+
+from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
+from .vqp import peer_class
+
+
+class SimVQQuantizer(Quantizer):
+    """Wraps ``vector_quantize_pytorch.SimVQ(dim, codebook_size, **simvq_kwargs)``.
+
+    The peer runs unchanged (its defaults: rotation trick on, commitment weight 1, input-to-code
+    weight β = 0.25, a bias-free linear map); ``simvq_kwargs`` are passed as they are, except
+    ``codebook_bias`` (ours, default False): True builds the map as ``nn.Linear(D_frozen, D, bias=True)``,
+    as the authors' reference code (youngsheen/SimVQ) does. The peer's loss is ``loss`` and
+    ``terms["commitment"]``; ``codebook`` is W(C), so ``lookup(indices)`` gives the codes the
+    decoder sees (with the rotation trick the forward value equals the code up to float rounding).
+    The frozen codebook is a buffer (saved in the state_dict); the map is the only parameter, so
+    under torch.distributed nothing is shared but gradients (DDP broadcasts rank 0's frozen
+    codebook when it wraps the model). Computes in float32 whatever the input's dtype (autocast
+    off), returns the input's dtype.
+    """
+
+    def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, codebook_bias: bool = False,
+                 **simvq_kwargs: Any):
+        super().__init__(num_codes, dim, channel_dim)
+        SimVQ = peer_class("SimVQ", "simvq")
+        if "channel_first" in simvq_kwargs:
+            raise ValueError("expected no channel_first option (the layout is set by channel_dim), got "
+                             f"channel_first={simvq_kwargs['channel_first']!r}")
+        if codebook_bias and "codebook_transform" in simvq_kwargs:
+            raise ValueError("expected codebook_bias=True or a codebook_transform, got both")
+        self.simvq_kwargs = dict(simvq_kwargs)
+        self.codebook_bias = bool(codebook_bias)
+        if codebook_bias:
+            frozen_dim = simvq_kwargs.get("frozen_codebook_dim") or dim
+            simvq_kwargs = dict(simvq_kwargs, codebook_transform=nn.Linear(frozen_dim, dim, bias=True))
+        self.vq = SimVQ(dim=dim, codebook_size=num_codes, **simvq_kwargs)
+
+    @property
+    def codebook(self) -> Tensor:
+        """(K, D): the frozen codebook through the learned map."""
+        with torch.autocast(device_type=self.vq.frozen_codebook.device.type, enabled=False):
+            return self.vq.codebook
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            quantized, indices, loss = self.vq(flat.float().unsqueeze(0))
+        indices = indices.reshape(-1).long()
+        loss = loss.reshape(()) if loss.numel() == 1 else loss.sum()
+        return QuantizerOutput(
+            quantized=unflatten(quantized.reshape(-1, self.dim).to(z.dtype), last_shape, self.channel_dim),
+            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
+            terms={"commitment": loss.detach()},
+            perplexity=batch_perplexity(indices, self.num_codes))
+
+    def describe(self) -> Dict[str, Any]:
+        return {"rotation_trick": bool(self.vq.rotation_trick), "codebook_bias": self.codebook_bias}
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", codebook_bias={self.codebook_bias}, simvq_kwargs={self.simvq_kwargs}"
