@@ -175,7 +175,9 @@ class CodePrior(nn.Module):
         """Mean negative log-likelihood per code, in nats (÷ ln 2: bits per token)."""
         codes = self.flatten(codes)
         logits = self(codes, labels)
-        return F.cross_entropy(logits.reshape(-1, self.num_codes).float(), codes.reshape(-1))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the log-softmax in float32 under autocast
+        return F.cross_entropy(logits.reshape(-1, self.num_codes), codes.reshape(-1))
 
     # ------------------------------------------------------------------ sampling
 

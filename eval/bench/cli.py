@@ -44,6 +44,7 @@ class BenchOptions:
     device: str = option("cpu", "measure on this device: cpu, or cuda (the current GPU; memory is then the CUDA "
                                 "allocator's peak above the inputs)")
     no_e2e: bool = option(False, "skip the VQ-VAE training-step comparison")
+    no_prior: bool = option(False, "skip the prior row (sampling 64 images at 8x8 tokens; also skipped with --shapes)")
     no_progress: bool = option(False, "no progress bar")
     dry_run: bool = option(False, "print the plan (estimated seconds and memory, runs, skips) and exit without "
                                   "measuring")
@@ -119,6 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
                      e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
                      e2e_reference=not quick, progress=not args.no_progress, probe_warmup=quick, device=device)
+    prior_rows, prior_text = [], ""
+    if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.eval.prior.bench
+        from ddcl_vq.eval.prior.bench import bench_prior
+        prior_rows, prior_text = bench_prior(device, repeats=1 if quick else 3, no_cache=not quick)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
@@ -135,9 +140,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]))
     print()
     print(format_table(rows))
+    if prior_text:
+        print("\n" + prior_text)
     print(f"\n{len(rows)} rows in {meta['seconds']:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "prior": prior_rows}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

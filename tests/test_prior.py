@@ -1,0 +1,230 @@
+"""The prior over the codes: its loss, causality, resume, sampling (KV cache), bits, Fréchet distance,
+and the generative loop end to end (tiny tokenizer -> tokenize -> prior -> sample -> evaluate).
+
+Real parts only: a real (tiny) tokenizer trained on Fashion-MNIST, real token files, the real
+commands. Sizes are tiny so the file runs in well under a minute on one shared core."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddcl_vq.eval import cli
+from ddcl_vq.eval.prior.classifier import frechet_distance
+from ddcl_vq.eval.prior.config import PriorConfig, load_prior_config
+from ddcl_vq.eval.prior.data import load_tokens
+from ddcl_vq.eval.prior.training import load_prior, nll_bits, train_prior
+from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
+from ddcl_vq.models.prior import CodePrior
+from ddcl_vq.train.config import load_config
+from ddcl_vq.train.loop import train
+from ddcl_vq.train.rundir import RunDirError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TOKENIZER = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+                  "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
+                  "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+TINY_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
+              "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2",
+              "train.eval_images=64"]
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """A tiny DDCL tokenizer trained 6 steps on Fashion-MNIST, its first 256 train / 128 test images tokenized."""
+    base = tmp_path_factory.mktemp("prior")
+    run = base / "tokenizer"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY_TOKENIZER + [f"run.dir={run}"]), quiet=True)
+    tokenize_run(run, "train", base / "train.npy", max_images=256)
+    tokenize_run(run, "test", base / "test.safetensors", max_images=128)
+    return {"run": run, "train": base / "train.npy", "test": base / "test.safetensors", "base": base}
+
+
+def _prior_cfg(tokenized, prior_dir, *extra) -> PriorConfig:
+    return load_prior_config(ROOT / "configs/prior_fashion.yaml",
+                             [f"data.tokenizer={tokenized['run']}", f"data.train_tokens={tokenized['train']}",
+                              f"data.test_tokens=[{tokenized['test']}]", f"run.dir={prior_dir}"] + TINY_PRIOR
+                             + list(extra))
+
+
+def _tiny(num_classes=3, k=11, dropout=0.0) -> CodePrior:
+    torch.manual_seed(0)
+    return CodePrior(k, 3, 4, num_classes, dim=16, layers=2, heads=2, dropout=dropout)
+
+
+# --------------------------------------------------------------------------- the model
+
+def test_loss_is_the_mean_negative_log_likelihood_computed_by_hand():
+    model = _tiny().double().eval()
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 11, (2, 3, 4), generator=g)
+    labels = torch.tensor([2, 0])
+    with torch.no_grad():
+        logits = model(codes, labels)
+    assert logits.shape == (2, 12, 11)
+    total, n = 0.0, 0
+    for b in range(2):
+        for t in range(12):
+            row = [float(v) for v in logits[b, t]]
+            target = int(codes.reshape(2, -1)[b, t])
+            total += -(row[target] - math.log(sum(math.exp(v) for v in row)))
+            n += 1
+    with torch.no_grad():
+        assert float(model.loss(codes, labels)) == pytest.approx(total / n, rel=1e-12)
+        # the class token matters: another class, another likelihood
+        assert float(model.loss(codes, torch.tensor([1, 1]))) != pytest.approx(total / n, rel=1e-6)
+
+
+@pytest.mark.parametrize("j", [0, 5, 11])
+def test_changing_a_later_code_leaves_earlier_logits_unchanged(j):
+    model = _tiny().double().eval()
+    codes = torch.randint(0, 11, (3, 12), generator=torch.Generator().manual_seed(2))
+    labels = torch.tensor([0, 1, 2])
+    changed = codes.clone()
+    changed[:, j] = (changed[:, j] + 1) % 11
+    a, b = model(codes, labels), model(changed, labels)
+    # logits at position p predict code p from codes < p: positions 0..j see nothing of code j
+    assert torch.equal(a[:, :j + 1], b[:, :j + 1])
+    if j < 11:
+        assert not torch.allclose(a[:, j + 1:], b[:, j + 1:])
+
+
+def test_sampling_is_reproducible_and_in_range():
+    model = _tiny(k=7)
+    labels = torch.tensor([0, 1, 2, 0, 1])
+    a = model.sample(5, labels, generator=torch.Generator().manual_seed(3))
+    b = model.sample(5, labels, generator=torch.Generator().manual_seed(3))
+    c = model.sample(5, labels, generator=torch.Generator().manual_seed(4))
+    assert a.shape == (5, 3, 4) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert int(a.min()) >= 0 and int(a.max()) < 7
+    k1 = model.sample(40, torch.zeros(40, dtype=torch.long), top_k=1, generator=torch.Generator().manual_seed(5))
+    greedy = model.sample(40, torch.zeros(40, dtype=torch.long), temperature=0)
+    assert torch.equal(k1, greedy)  # top-1 sampling is greedy decoding
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
+def test_kv_cache_sampling_equals_sampling_without_cache(temperature, top_k):
+    model = _tiny(k=13, dropout=0.1).double()  # dropout must be off while sampling
+    model.train()
+    labels = torch.arange(6) % 3
+    cached = model.sample(6, labels, temperature, top_k, generator=torch.Generator().manual_seed(6))
+    full = model.sample(6, labels, temperature, top_k, generator=torch.Generator().manual_seed(6), use_cache=False)
+    assert torch.equal(cached, full)
+    assert model.training  # the model's mode is restored
+
+
+def test_bits_per_token_of_a_uniform_prior_is_log2_k(tokenized):
+    tokens = load_tokens(tokenized["test"], 32)
+    model = CodePrior(32, 8, 8, 10, dim=16, layers=1, heads=2)
+    with torch.no_grad():
+        model.head.weight.zero_()  # every logit equal: p(code) = 1/K everywhere
+    bits = nll_bits(model, tokens)
+    assert bits["bits_per_token"] == pytest.approx(5.0, abs=1e-6)
+    assert bits["bits_per_image"] == pytest.approx(5.0 * 64, abs=1e-4)
+    assert bits["num_images"] == 128
+
+
+def test_frechet_distance_is_zero_for_a_set_with_itself_and_grows_under_perturbation():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 8)) @ rng.normal(size=(8, 8))
+    assert frechet_distance(x, x) == pytest.approx(0.0, abs=1e-8)
+    shift = np.full(8, 0.5)
+    assert frechet_distance(x, x + shift) == pytest.approx(float(shift @ shift), rel=1e-8)  # same covariance
+    noise = rng.normal(size=x.shape)
+    fds = [frechet_distance(x, x + s * noise) for s in (0.1, 0.5, 1.0, 2.0)]
+    assert all(a < b for a, b in zip(fds, fds[1:])) and fds[0] > 0
+    with pytest.raises(ValueError, match="same F"):
+        frechet_distance(x, x[:, :4])
+
+
+# --------------------------------------------------------------------------- training
+
+def test_config_file_matches_the_built_in_defaults():
+    assert load_prior_config(ROOT / "configs/prior_fashion.yaml") == load_prior_config()
+
+
+def test_three_step_training_resumes_to_identical_weights(tokenized, tmp_path):
+    straight = train_prior(_prior_cfg(tokenized, tmp_path / "straight"), quiet=True)
+    assert straight["step"] == 3 and straight["num_classes"] == 10 and straight["grid"] == [8, 8]
+    cfg = _prior_cfg(tokenized, tmp_path / "resumed")
+    assert train_prior(cfg, quiet=True, stop_after=2)["step"] == 2
+    assert train_prior(cfg, quiet=True)["step"] == 3
+    _, a, _ = load_prior(tmp_path / "straight")
+    _, b, meta = load_prior(tmp_path / "resumed")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert meta["step"] == 3
+    # and the third step did move the weights (a resume that trained nothing would also be "identical")
+    at2 = torch.load(tmp_path / "straight" / "checkpoints" / "step_0000002.pt", weights_only=True)["model"]
+    assert not torch.equal(at2["head.weight"], sa["head.weight"])
+    lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] and "test_bits_per_token" in lines[1]
+    # another model on the same directory is refused, naming the key
+    with pytest.raises(RunDirError, match="model.dim"):
+        train_prior(_prior_cfg(tokenized, tmp_path / "resumed", "model.dim=64", "train.steps=4"), quiet=True)
+
+
+def test_one_line_errors(tokenized, tmp_path, capsys):
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(tokenized["train"]),
+                     "model.dimm=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "ddcl-vq prior train: error:" in err and "model.dim" in err
+    assert cli.main(["prior", "sample", str(tmp_path / "nothing"), "--count", "4", "--out", "x.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err
+    # codes out of the tokenizer's range
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.full((4, 8, 8), 40, dtype=np.uint8))
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(bad), f"run.dir={tmp_path / 'q'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "expected indices in [0, 32)" in err
+
+
+# --------------------------------------------------------------------------- the loop, end to end
+
+def test_end_to_end_tokenizer_tokens_prior_samples_evaluation(tokenized, tmp_path, capsys):
+    prior = tmp_path / "prior"
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(tokenized["train"]), "--test",
+                     str(tokenized["test"]), "--config", str(ROOT / "configs/prior_fashion.yaml"), f"run.dir={prior}",
+                     "--quiet"] + TINY_PRIOR) == 0
+    assert (prior / "config.yaml").is_file() and (prior / "checkpoints" / "last.pt").is_file()
+    assert any((prior / "tb").iterdir())
+
+    out = tmp_path / "samples" / "grid.png"
+    assert cli.main(["prior", "sample", str(prior), "--count", "12", "--out", str(out), "--seed", "7"]) == 0
+    codes = np.load(out.with_suffix(".npy"))
+    labels = np.load(out.with_name("grid.labels.npy"))
+    assert codes.shape == (12, 8, 8) and codes.dtype == np.uint8 and int(codes.max()) < 32
+    assert labels.tolist() == [i % 10 for i in range(12)]
+    from PIL import Image
+    assert Image.open(out).size[0] > 32 * 8  # 10 images per row (one per class)
+    again = tmp_path / "again.png"
+    assert cli.main(["prior", "sample", str(prior), "--count", "12", "--out", str(again), "--seed", "7"]) == 0
+    assert np.array_equal(np.load(again.with_suffix(".npy")), codes)
+    one = tmp_path / "one.png"
+    assert cli.main(["prior", "sample", str(prior), "--count", "4", "--class", "3", "--out", str(one)]) == 0
+    assert np.load(one.with_name("one.labels.npy")).tolist() == [3, 3, 3, 3]
+    capsys.readouterr()
+
+    assert cli.main(["prior", "evaluate", str(prior), "--samples", "20", "--real", "60", "--classifier-steps", "4",
+                     "--cache-dir", str(tmp_path / "cache"), "--quiet"]) == 0
+    ev = json.loads((prior / "eval.json").read_text())
+    assert ev["step"] == 3 and ev["num_codes"] == 32 and ev["num_classes"] == 10
+    assert ev["nll"]["num_images"] == 128 and 3.0 < ev["nll"]["bits_per_token"] < 7.0
+    assert ev["nll"]["bits_per_image"] == pytest.approx(64 * ev["nll"]["bits_per_token"])
+    fd = ev["frechet"]
+    assert fd["samples_vs_real"] > 0 and fd["reconstructions_vs_real"] > 0 and fd["num_real"] == 60
+    assert "not Inception FID" in fd["note"]
+    assert set(ev["class_accuracy"]["per_class"]) == {str(c) for c in range(10)}
+    assert (prior / "samples.png").is_file()
+    assert ev["classifier"]["cached"] is False and list((tmp_path / "cache").glob("classifier_fashion_mnist_32_*.pt"))
+    # the second evaluation reads the cached classifier
+    from ddcl_vq.eval.prior.evaluation import evaluate_prior
+    ev2 = evaluate_prior(prior, samples=20, real=60, classifier_steps=4, cache_dir=str(tmp_path / "cache"),
+                         write=False)
+    assert ev2["classifier"]["cached"] is True and ev2["nll"] == ev["nll"]
+    assert ev2["frechet"]["samples_vs_real"] == pytest.approx(fd["samples_vs_real"], rel=1e-9)
+
