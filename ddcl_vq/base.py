@@ -14,7 +14,7 @@ nothing extra), so a quantizer overrides only what it has.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange
@@ -141,6 +141,23 @@ class Quantizer(nn.Module):
                 f"[{int(indices.min())}, {int(indices.max())}]")
         codes = self.codebook[indices.long()]  # (*idx, D)
         return rearrange(codes, "b ... d -> b d ...") if self.channel_dim == 1 and codes.dim() > 2 else codes
+
+    def empty_output(self, flat: Tensor, last_shape: Tuple[int, ...], terms: Sequence[str],
+                     soft_counts: bool = False) -> QuantizerOutput:
+        """What every quantizer returns for an empty batch (N = 0 vectors), in training and in
+        evaluation: ``quantized`` of the input's (empty) shape, empty indices, a zero ``loss`` and
+        zero ``terms`` (finite, on the input's graph), perplexity 1, and (``soft_counts``) K zeros.
+        The caller returns it before touching any state: nothing is initialised or learned.
+
+        flat, last_shape: what :func:`flatten` returned for the input."""
+        x = flat.to(compute_dtype(flat))
+        zero = x.sum()                       # exactly 0 for no vectors, and on the input's graph
+        indices = torch.zeros(0, dtype=torch.long, device=flat.device)
+        return QuantizerOutput(
+            quantized=unflatten(flat, last_shape, self.channel_dim),
+            indices=unflatten(indices, last_shape, self.channel_dim), loss=zero,
+            terms={name: zero.detach() for name in terms}, perplexity=batch_perplexity(indices, self.num_codes),
+            soft_counts=x.new_zeros(self.num_codes) if soft_counts else None)
 
     # ------------------------------------------------------------------ what callers may ask
     #: True when :meth:`soft_codes` returns soft codes (DDCL); callers check it before asking.

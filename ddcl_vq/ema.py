@@ -86,6 +86,8 @@ class EMAVQ(Quantizer):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
+            return self.empty_output(flat, last_shape, ("commitment",))
         dtype = compute_dtype(z)
         with torch.autocast(device_type=z.device.type, enabled=False):
             x = flat.to(dtype)

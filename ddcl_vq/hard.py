@@ -8,6 +8,10 @@ from torch import Tensor, nn
 from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, squared_distances, unflatten
 from .kmeans import kmeans_init_
 
+#: HardVQ's allowed distances, and its choice arguments -> allowed values (the default: the signature)
+DISTANCES = ("euclidean", "cosine")
+HARDVQ_CHOICES = {"distance": DISTANCES}
+
 
 class HardVQ(Quantizer):
     """argmin_k ‖z − w_k‖², straight-through gradient to the encoder.
@@ -25,7 +29,7 @@ class HardVQ(Quantizer):
     def __init__(self, num_codes: int, dim: int, *, beta: float = 0.25, distance: str = "euclidean",
                  kmeans_init: bool = False, channel_dim: int = 1):
         super().__init__(num_codes, dim, channel_dim)
-        if distance not in ("euclidean", "cosine"):
+        if distance not in DISTANCES:
             raise ValueError(f"expected distance 'euclidean' or 'cosine', got {distance!r}")
         if not beta >= 0:
             raise ValueError(f"expected beta >= 0, got {beta!r}")
@@ -40,6 +44,8 @@ class HardVQ(Quantizer):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
+            return self.empty_output(flat, last_shape, ("codebook", "commitment"))
         dtype = compute_dtype(z)
         with torch.autocast(device_type=z.device.type, enabled=False):
             x = flat.to(dtype)

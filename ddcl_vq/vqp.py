@@ -48,6 +48,8 @@ class VQPQuantizer(Quantizer):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned (the peer's EMA untouched)
+            return self.empty_output(flat, last_shape, ("commitment",))
         with torch.autocast(device_type=z.device.type, enabled=False):
             x = flat.float() if flat.dtype != torch.float64 else flat
             quantized, indices, loss = self.vq(x.unsqueeze(0))
