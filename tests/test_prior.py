@@ -228,3 +228,42 @@ def test_end_to_end_tokenizer_tokens_prior_samples_evaluation(tokenized, tmp_pat
     assert ev2["classifier"]["cached"] is True and ev2["nll"] == ev["nll"]
     assert ev2["frechet"]["samples_vs_real"] == pytest.approx(fd["samples_vs_real"], rel=1e-9)
 
+
+
+# --------------------------------------------------------------------------- the study
+
+def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
+    from ddcl_vq.eval.prior.study import load_prior_study
+
+    spec, study, prior, tok, ev, seeds, out = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)
+    groups = {a.group for a in study.arms}
+    assert groups == {f"{arm}_k{k}" for arm in ("ddcl", "hard", "ema_restart", "vqp_kmeans_expiry", "fsq")
+                      for k in (256, 1024)}
+    assert {a.config.quantizer.type for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
+    assert seeds == [0, 1, 2] and ev["samples"] == 1000 and tok["train_images"] == 0
+    # the same prior for every tokenizer: the file's prior is the shipped prior config
+    from ddcl_vq.eval.prior.config import load_prior_config
+    assert load_prior_config(None, prior) == load_prior_config(ROOT / "configs/prior_fashion.yaml")
+    quick = load_prior_study(ROOT / "configs/study_prior.yaml", quick=True, out=tmp_path / "q", arms=["ddcl_k256*"],
+                             prior_seeds=[0])
+    assert [a.name for a in quick[1].arms] == ["ddcl_k256_s0"] and quick[5] == [0]
+    assert load_prior_config(None, quick[2]).train.steps == 3
+
+
+def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
+    from ddcl_vq.eval.prior.study import aggregate, markdown, write_plot
+
+    base = {"tokenizer": "ddcl_k256_s0", "type": "ddcl", "num_codes": 256, "psnr": 24.0, "utilization": 1.0,
+            "perplexity": 200.0, "log2_k": 8.0, "fd_recon": 1.0}
+    runs = [dict(base, prior_seed=s, bits_per_token=b, bits_per_image=64 * b, fd_samples=f, class_accuracy=0.8)
+            for s, b, f in ((0, 5.0, 2.0), (1, 6.0, 4.0))]
+    runs.append(dict(base, tokenizer="hard_k256_s0", type="hard", prior_seed=0, bits_per_token=4.0,
+                     bits_per_image=256.0, fd_samples=3.0, class_accuracy=None))
+    groups = aggregate(runs)
+    assert [g["tokenizer"] for g in groups] == ["ddcl_k256_s0", "hard_k256_s0"]
+    assert groups[0]["bits_per_token"] == 5.5 and groups[0]["bits_per_token_sd"] == pytest.approx(math.sqrt(0.5))
+    assert groups[0]["fd_samples"] == 3.0 and groups[1]["bits_per_token_sd"] is None
+    table = markdown(groups)
+    assert "5.5000 ± 0.7071" in table and "4.0000 ± —" in table
+    write_plot(tmp_path / "p.png", groups)
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -1,0 +1,374 @@
+"""``ddcl-vq prior study --config configs/study_prior.yaml``: the same prior on several tokenizers' codes.
+
+Does a fuller codebook make the prior's job harder, and what does that do to samples? A prior study
+file has five parts:
+
+    name, description, out            as a study file (out: the report directory)
+    tokenizers: {base, eval, sweep, seeds, arms, quick}
+                                      a study file's keys (see ddcl-vq study --help): the tokenizers,
+                                      trained, evaluated and compared by the study code itself
+                                      into OUT/tokenizers/ (reconstruction PSNR, utilization, ...)
+    tokenize: {train_images, test_images, batch_size}       0 = the whole split
+    prior: {base: {model: ..., train: ...}, seeds: [0, 1, 2]}
+                                      one prior config (configs/prior_fashion.yaml's keys) for every
+                                      tokenizer, trained once per prior seed (run.seed)
+    evaluate: {samples, real, max_test, temperature, top_k, seed, classifier_steps, cache_dir}
+    quick: {prior: [key=value, ...], tokenize: {...}, evaluate: {...}}   what --quick changes
+
+For every finished tokenizer: tokenize the train and test splits (OUT/tokens/), train the prior once
+per prior seed (OUT/priors/<tokenizer>_p<seed>), evaluate it (``ddcl-vq prior evaluate``), then one
+table (OUT/table.md, .csv, .json: mean ± sd over the prior seeds beside the tokenizer's PSNR and
+utilization) and one plot (OUT/recon_vs_generation.png). Everything resumes: finished tokenizers,
+token files, priors and evaluations are reused when the same command runs again.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from ddcl_vq.train.errors import UserError, entry_point
+from ddcl_vq.train.settings import ConfigError, Options, Rules, build, option
+
+QUICK_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
+               "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
+               "train.eval_images=64"]
+QUICK_TOKENIZE = {"train_images": 512, "test_images": 256}
+QUICK_EVALUATE = {"samples": 50, "real": 200, "classifier_steps": 20}
+
+
+@dataclass
+class TokenizeSpec:
+    train_images: int = 0
+    test_images: int = 0
+    batch_size: int = 256
+
+
+@dataclass
+class PriorSpec:
+    base: Dict[str, Any] = field(default_factory=dict)
+    seeds: List[int] = field(default_factory=lambda: [0, 1, 2])
+
+
+@dataclass
+class EvaluateSpec:
+    samples: int = 1000
+    real: int = 0
+    max_test: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    classifier_steps: int = 1000
+    cache_dir: Optional[str] = None          # the feature classifier's cache ($DDCL_VQ_CACHE or ~/.cache/ddcl-vq)
+
+
+@dataclass
+class QuickSpec:
+    prior: Optional[List[str]] = None
+    tokenize: Dict[str, int] = field(default_factory=dict)
+    evaluate: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PriorStudyFile:
+    name: Optional[str] = None
+    description: str = ""
+    out: Optional[str] = None
+    tokenizers: Dict[str, Any] = field(default_factory=dict)
+    tokenize: TokenizeSpec = field(default_factory=TokenizeSpec)
+    prior: PriorSpec = field(default_factory=PriorSpec)
+    evaluate: EvaluateSpec = field(default_factory=EvaluateSpec)
+    quick: QuickSpec = field(default_factory=QuickSpec)
+
+
+RULES = Rules(positive={"evaluate.samples", "evaluate.classifier_steps", "tokenize.batch_size"},
+              non_negative={"tokenize.train_images", "tokenize.test_images", "evaluate.real", "evaluate.max_test",
+                            "evaluate.temperature", "evaluate.top_k", "prior.seeds"})
+
+#: the table's metrics averaged over prior seeds: (key, header, format)
+METRICS = [("bits_per_token", "bits/token", ".4f"), ("bits_per_image", "bits/image", ".1f"),
+           ("fd_samples", "FD samples", ".3f"), ("class_accuracy", "class acc.", ".1%")]
+DEFINITIONS = """\
+PSNR, utilization, perplexity = the tokenizer's (hard codes, the study's eval split; ddcl-vq study)
+bits/token, bits/image        = the prior's test NLL: -log2 p(code | class, earlier codes), mean over
+                                codes; x h x w per image (log2 K for a uniform prior)
+FD samples                    = Fréchet distance between decoded samples and real test images in the
+                                128 penultimate features of a small CNN trained here on the same
+                                dataset; NOT Inception FID, not comparable to published FIDs
+FD recon                      = the same for the tokenizer's reconstructions of the test tokens
+                                (no prior: what the codes alone cost)
+class acc.                    = the classifier's accuracy on samples drawn for each class
+mean ± sd                     = over the prior seeds (sample sd); one tokenizer per row"""
+
+
+class PriorStudyError(UserError, RuntimeError):
+    """A prior study cannot run as asked."""
+
+
+def read_prior_study(path: str | Path) -> PriorStudyFile:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"study file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"study file {str(path)!r}: expected a mapping at the top")
+    try:
+        spec = build(PriorStudyFile, {k: v for k, v in raw.items() if v is not None}, RULES,
+                     name=lambda key: f"key {key!r}")
+    except ConfigError as err:
+        raise ConfigError(f"study {path.name}: {err}") from None
+    if not spec.tokenizers.get("arms"):
+        raise ConfigError(f"study {path.name}: expected 'tokenizers' with a non-empty 'arms' list (a study file's "
+                          "keys)")
+    if not spec.prior.seeds:
+        raise ConfigError(f"study {path.name}: expected a non-empty list 'prior.seeds'")
+    return spec
+
+
+def _overrides(mapping: Dict[str, Any]) -> List[str]:
+    """{section: {key: value}} -> ["section.key=value", ...] (values as YAML)."""
+    out = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}=" + yaml.safe_dump(value, default_flow_style=True, width=10**6)
+                           .strip().removesuffix("...").strip())
+    walk(mapping, "")
+    return out
+
+
+def load_prior_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
+                     arms: Sequence[str] = (), prior_seeds: Optional[Sequence[int]] = None):
+    """-> (spec, tokenizer Study, prior overrides, tokenize spec, evaluate spec, prior seeds, out dir).
+    Every tokenizer arm and the prior config are validated here, before anything trains."""
+    from ddcl_vq.eval.study.config import load_study
+
+    from .config import load_prior_config
+
+    path = Path(path)
+    spec = read_prior_study(path)
+    name = spec.name or path.stem
+    out_dir = Path(out) if out else Path(spec.out or f"reports/{name}")
+    if quick and not out:
+        out_dir = out_dir.with_name(out_dir.name + "_quick")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_file = out_dir / "tokenizers.yaml"
+    tok_file.write_text(yaml.safe_dump({"name": f"{name}_tokenizers", **spec.tokenizers}, sort_keys=False))
+    study = load_study(tok_file, quick=quick, out=out_dir / "tokenizers", only=arms)
+    prior = _overrides(spec.prior.base) + (list(spec.quick.prior or QUICK_PRIOR) if quick else [])
+    load_prior_config(None, prior)  # every key checked now
+    tokenize = dict(vars(spec.tokenize), **((spec.quick.tokenize or QUICK_TOKENIZE) if quick else {}))
+    evaluate = dict(vars(spec.evaluate), **((spec.quick.evaluate or QUICK_EVALUATE) if quick else {}))
+    seeds = list(prior_seeds) if prior_seeds is not None else list(spec.prior.seeds)
+    return spec, study, prior, tokenize, evaluate, seeds, out_dir
+
+
+def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None, arms: Sequence[str] = (),
+                    prior_seeds: Optional[Sequence[int]] = None, progress: bool = True,
+                    command: Optional[str] = None) -> Dict:
+    from ddcl_vq.eval.study.run import run_study
+    from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
+
+    from .config import load_prior_config
+    from .evaluation import evaluate_prior
+    from .training import train_prior
+
+    spec, study, prior_overrides, tok, ev, seeds, out_dir = load_prior_study(path, quick, out, arms, prior_seeds)
+    started = time.time()
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say(f"tokenizers: {len(study.arms)} run(s) -> {study.out}")
+    result = run_study(study, train_arms=True, progress=progress)
+    by_name = {row["name"]: row for row in result["rows"]}
+    runs: List[Dict] = []
+    for arm in study.arms:
+        if arm.name not in by_name:
+            say(f"{arm.name}: tokenizer did not finish; left out")
+            continue
+        trow = by_name[arm.name]
+        run_dir = Path(arm.config.run.dir)
+        files = {}
+        for split, limit in (("train", tok["train_images"]), ("test", tok["test_images"])):
+            files[split] = out_dir / "tokens" / f"{arm.name}_{split}.npy"
+            if not files[split].is_file():
+                say(f"{arm.name}: tokenizing the {split} split")
+                tokenize_run(run_dir, split, files[split], tok["batch_size"], limit)
+        for seed in seeds:
+            name = f"{arm.name}_p{seed}"
+            prior_dir = out_dir / "priors" / name
+            cfg = load_prior_config(None, prior_overrides + [
+                f"data.tokenizer={run_dir}", f"data.train_tokens={files['train']}",
+                f"data.test_tokens=[{json.dumps(str(files['test']))}]", f"run.dir={prior_dir}", f"run.name={name}",
+                f"run.seed={seed}"])
+            say(f"{name}: prior")
+            summary = train_prior(cfg, quiet=True)
+            ev_path = prior_dir / "eval.json"
+            evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
+            if evaluation is None or evaluation.get("step") != summary["step"] or \
+                    evaluation.get("samples", {}).get("count") != ev["samples"]:
+                evaluation = evaluate_prior(prior_dir, max_test=ev["max_test"], samples=ev["samples"], real=ev["real"],
+                                            temperature=ev["temperature"], top_k=ev["top_k"], seed=ev["seed"],
+                                            classifier_steps=ev["classifier_steps"], cache_dir=ev["cache_dir"],
+                                            progress=progress)
+            runs.append(_row(arm, trow, seed, evaluation, summary))
+            r = runs[-1]
+            say(f"{name}: {r['bits_per_token']:.4f} bits/token, FD {_fmt(r['fd_samples'], '.3f')}, "
+                f"class acc. {_fmt(r['class_accuracy'], '.1%')}")
+    if not runs:
+        raise PriorStudyError("no prior finished (no tokenizer finished?)")
+    groups = aggregate(runs)
+    info = {"command": command, "wall_seconds": round(time.time() - started, 1), "quick": quick,
+            "prior_seeds": seeds, "prior_overrides": prior_overrides, "tokenize": tok, "evaluate": ev}
+    write_tables(out_dir, spec, groups, runs, info)
+    write_plot(out_dir / "recon_vs_generation.png", groups)
+    return {"groups": groups, "runs": runs, "out": str(out_dir), **info}
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _row(arm, trow: Dict, seed: int, ev: Dict, summary: Dict) -> Dict:
+    fd, ca, nll = ev.get("frechet") or {}, ev.get("class_accuracy") or {}, ev.get("nll") or {}
+    return {"name": f"{arm.name}_p{seed}", "tokenizer": arm.name, "group": arm.group, "prior_seed": seed,
+            "type": trow.get("type"), "num_codes": ev["num_codes"], "psnr": trow.get("hard_psnr"),
+            "utilization": trow.get("utilization"), "perplexity": trow.get("perplexity"),
+            "bits_per_token": nll.get("bits_per_token"), "bits_per_image": nll.get("bits_per_image"),
+            "log2_k": ev["uniform_bits_per_token"], "fd_samples": fd.get("samples_vs_real"),
+            "fd_recon": fd.get("reconstructions_vs_real"), "class_accuracy": ca.get("mean"),
+            "classifier_accuracy": ca.get("classifier_on_real"), "prior_steps": summary["step"],
+            "prior_seconds": summary.get("train_seconds")}
+
+
+def aggregate(runs: Sequence[Dict]) -> List[Dict]:
+    """One row per tokenizer: its own figures, and mean ± sd over the prior seeds."""
+    from ddcl_vq.eval.study.aggregate import mean_sd
+
+    groups: Dict[str, List[Dict]] = {}
+    for r in runs:
+        groups.setdefault(r["tokenizer"], []).append(r)
+    out = []
+    for name, members in groups.items():
+        first = members[0]
+        row = {"tokenizer": name, "type": first["type"], "num_codes": first["num_codes"], "psnr": first["psnr"],
+               "utilization": first["utilization"], "perplexity": first["perplexity"], "log2_k": first["log2_k"],
+               "fd_recon": first["fd_recon"], "n": len(members), "prior_seeds": [m["prior_seed"] for m in members]}
+        for key, _, _ in METRICS:
+            row[key], row[f"{key}_sd"], _ = mean_sd([m[key] for m in members])
+        out.append(row)
+    return out
+
+
+def _pm(row: Dict, key: str, spec: str) -> str:
+    if row.get(key) is None:
+        return "—"
+    sd = row.get(f"{key}_sd")
+    return f"{format(row[key], spec)} ± {'—' if sd is None else format(sd, spec)}"
+
+
+def markdown(groups: Sequence[Dict]) -> str:
+    head = ["tokenizer", "quantizer", "K", "PSNR (dB)", "utilization", "perplexity", "log2 K", "priors (n)"] + \
+        [h for _, h, _ in METRICS] + ["FD recon"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        cells = [g["tokenizer"], str(g["type"]), str(g["num_codes"]), _fmt(g["psnr"], ".2f"),
+                 _fmt(g["utilization"], ".1%"), _fmt(g["perplexity"], ".1f"), f"{g['log2_k']:.3f}",
+                 f"{','.join(map(str, g['prior_seeds']))} ({g['n']})"]
+        cells += [_pm(g, key, spec) for key, _, spec in METRICS] + [_fmt(g["fd_recon"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_tables(out: Path, spec: PriorStudyFile, groups, runs, info) -> None:
+    from ddcl_vq.eval.compare import write_csv
+
+    text = [f"# {spec.name or 'prior study'}", "", spec.description.strip(), ""]
+    if info["quick"]:
+        text += ["**--quick: a smoke test (tiny tokenizers and priors); these figures measure nothing.**", ""]
+    text += [markdown(groups), "", "Per prior seed:", "", "| run | bits/token | bits/image | FD samples | class acc. |",
+             "|---|---|---|---|---|"]
+    text += [f"| {r['name']} | {_fmt(r['bits_per_token'], '.4f')} | {_fmt(r['bits_per_image'], '.1f')} | "
+             f"{_fmt(r['fd_samples'], '.3f')} | {_fmt(r['class_accuracy'], '.1%')} |" for r in runs]
+    text += ["", f"Prior: {' '.join(info['prior_overrides']) or 'the built-in defaults'}; seeds {info['prior_seeds']}. "
+             f"Evaluation: {info['evaluate']}. Tokens: {info['tokenize']}.",
+             f"Command: `{info['command']}`" if info["command"] else "", "", "```", DEFINITIONS, "```", ""]
+    (out / "table.md").write_text("\n".join(text))
+    flat = [{k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in g.items()} for g in groups]
+    write_csv(out / "table.csv", flat)
+    (out / "table.json").write_text(json.dumps({"rows": groups, "runs": runs, **info, "definitions": DEFINITIONS},
+                                               indent=2) + "\n")
+
+
+def write_plot(path: Path, groups: Sequence[Dict]) -> None:
+    """Reconstruction vs generation: tokenizer PSNR against the prior's FD (left) and bits/token (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    panels = (("fd_samples", "FD of samples, classifier features (lower: better)"),
+              ("bits_per_token", "prior test NLL (bits/token)"))
+    markers = "osD^vP*X"
+    types = list(dict.fromkeys(g["type"] for g in groups))
+    ks = sorted({g["num_codes"] for g in groups})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, label) in zip(axes, panels):
+        for g in groups:
+            if g.get(key) is None or g.get("psnr") is None:
+                continue
+            ax.errorbar(g["psnr"], g[key], yerr=g.get(f"{key}_sd") or 0, fmt=markers[types.index(g["type"]) % 8],
+                        color=colors[ks.index(g["num_codes"]) % len(colors)], capsize=3)
+            ax.annotate(g["tokenizer"], (g["psnr"], g[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("tokenizer reconstruction PSNR, hard codes (dB)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], marker=markers[i % 8], linestyle="", color="gray", label=t)
+               for i, t in enumerate(types)]
+    handles += [plt.Line2D([], [], marker="s", linestyle="", color=colors[i % len(colors)], label=f"K = {k}")
+                for i, k in enumerate(ks)]
+    axes[1].legend(handles=handles, fontsize=7)
+    fig.suptitle("Reconstruction vs generation (mean ± sd over prior seeds; FD is not Inception FID)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@dataclass(kw_only=True)
+class StudyOptions:
+    config: str = option(help="prior study YAML (configs/study_prior.yaml)")
+    quick: bool = option(False, "tiny tokenizers and priors, few images (a smoke test; the figures measure nothing)")
+    out: Optional[str] = option(None, "report directory", default_text="the study's 'out' ('_quick' appended with "
+                                                                        "--quick)")
+    arms: List[str] = option(default_factory=list, help="only the tokenizer runs matching these shell patterns "
+                             "(e.g. 'ddcl_k256*')", sep=",", metavar="PATTERN,...", default_text="every tokenizer")
+    prior_seeds: Optional[List[int]] = option(None, "prior seeds, replacing the study's prior.seeds", sep=",",
+                                              metavar="SEED,...")
+    threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+
+
+OPTIONS = Options(StudyOptions, prog="ddcl-vq prior study", description=__doc__,
+                  rules=Rules(non_negative={"threads", "prior_seeds"}))
+
+
+@entry_point("ddcl-vq prior study")
+def main(argv: Optional[List[str]] = None) -> int:
+    opts = OPTIONS.parse(argv)
+    if opts.threads:
+        import torch
+        torch.set_num_threads(opts.threads)
+    command = shlex.join(["ddcl-vq", "prior", "study"] + list(sys.argv[2:] if argv is None else argv))
+    result = run_prior_study(opts.config, opts.quick, opts.out, opts.arms, opts.prior_seeds, command=command)
+    print(markdown(result["groups"]))
+    print(f"\nreport: {Path(result['out']) / 'table.md'}, plot: {Path(result['out']) / 'recon_vs_generation.png'}")
+    return 0
