@@ -30,6 +30,7 @@ from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ
 from ddcl_vq import ddcl as _ddcl
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
+from .data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
 from .settings import ConfigError, Rules, apply, check, keys_of, leaves, nearest
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
@@ -60,12 +61,15 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "fashion_mnist"             # fashion_mnist | mnist | cifar10 | image_folder | natural_patches
+    name: str = "fashion_mnist"             # fashion_mnist | mnist | cifar10 | image_folder | natural_patches | digits
     root: str = "data"                       # torchvision downloads / image_folder root (with train/ and test/)
     image_size: int = 32                     # images are padded (28 -> 32) or resized/cropped to this
     batch_size: int = 128                    # global batch (split evenly over processes)
     download: bool = True                    # let torchvision download when the files are missing
     patches_per_image: int = 2000            # natural_patches only
+    # natural_patches only: the scikit-image photographs of each split (train/data.py PHOTOGRAPHS; no overlap)
+    train_photos: List[str] = field(default_factory=lambda: list(NATURAL_TRAIN_PHOTOS))
+    test_photos: List[str] = field(default_factory=lambda: list(NATURAL_TEST_PHOTOS))
     num_workers: Optional[int] = None       # DataLoader workers; null = auto: image_folder min(4, cores/2),
                                              # 0 for the in-memory datasets (batches gathered in one indexing op)
 
@@ -165,7 +169,7 @@ class Config:
 
 
 CHOICES = {
-    "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches"),
+    "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
     "quantizer.type": tuple(QUANTIZER_TYPES),
     # DDCLQuantizer's allowed values, as the library states them
     "quantizer.mode": _ddcl.MODES,
@@ -239,6 +243,7 @@ def validate(cfg: Config) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
     check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
+    check_photos(cfg.data.train_photos, cfg.data.test_photos)
     size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
     if size % factor:
         raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "

@@ -1,15 +1,15 @@
-"""Datasets: Fashion-MNIST (default), MNIST, CIFAR-10, any image folder, natural patches.
+"""Datasets: Fashion-MNIST (default), MNIST, CIFAR-10, any image folder, natural patches, digits.
 
 Every dataset yields (image, label) with image a float tensor in [0, 1] of shape
 (C, S, S); labels are -1 where a dataset has none. Train and test splits never share
-images (natural patches: different photographs).
+images (natural patches: different photographs, chosen by data.train_photos / data.test_photos).
 """
 from __future__ import annotations
 
 import gzip
 import os
 from pathlib import Path
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -105,20 +105,55 @@ class TensorImageDataset(Dataset):
 # different pictures from training ones, so patches never leak across the split.
 NATURAL_TRAIN_PHOTOS = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 NATURAL_TEST_PHOTOS = ("chelsea", "stereo_motorcycle")
+#: every photograph data.train_photos / data.test_photos may name: those scikit-image's wheel ships
+#: (they load offline; its loaders that download, e.g. brain or eagle, are left out), colour ones, then
+#: grey ones (served as three equal channels). ``cat`` is left out: it is the same picture as ``chelsea``.
+COLOUR_PHOTOS = ("astronaut", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina", "rocket",
+                 "stereo_motorcycle")
+GREY_PHOTOS = ("brick", "camera", "cell", "clock", "coins", "grass", "gravel", "moon", "page", "text")
+PHOTOGRAPHS = COLOUR_PHOTOS + GREY_PHOTOS
 
 
-def natural_patches(split: str, size: int, per_image: int, seed: int = 0) -> TensorImageDataset:
-    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs."""
+def check_photos(train_photos: Sequence[str], test_photos: Sequence[str]) -> None:
+    """ConfigError unless both lists are non-empty, name only :data:`PHOTOGRAPHS`, each once, and
+    share no photograph (a photograph in both would leak its patches from training into the test)."""
+    for key, names in (("data.train_photos", train_photos), ("data.test_photos", test_photos)):
+        if not names:
+            raise ConfigError(f"config key {key!r}: expected at least one photograph, got []")
+        unknown = [n for n in names if n not in PHOTOGRAPHS]
+        if unknown:
+            raise ConfigError(f"config key {key!r}: unknown photograph {unknown[0]!r}; expected names from "
+                              f"{', '.join(PHOTOGRAPHS)}")
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        if twice:
+            raise ConfigError(f"config key {key!r}: expected each photograph once, got {', '.join(twice)} twice")
+    both = [n for n in train_photos if n in test_photos]
+    if both:
+        raise ConfigError(f"config keys 'data.train_photos' and 'data.test_photos' share {', '.join(both)}: a test "
+                          "photograph must not be a training one (its patches would leak into the test)")
+
+
+def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
+                    train_photos: Sequence[str] = NATURAL_TRAIN_PHOTOS,
+                    test_photos: Sequence[str] = NATURAL_TEST_PHOTOS) -> TensorImageDataset:
+    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs:
+    ``train_photos`` for the train split, ``test_photos`` for the test split (grey photographs as three
+    equal channels)."""
     import skimage.data
 
-    names = NATURAL_TRAIN_PHOTOS if split == "train" else NATURAL_TEST_PHOTOS
+    check_photos(train_photos, test_photos)
+    names = train_photos if split == "train" else test_photos
     gen = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
     patches = []
     for name in names:
         img = getattr(skimage.data, name)()
         img = img[0] if isinstance(img, tuple) else img
+        img = np.repeat(img[..., None], 3, axis=2) if img.ndim == 2 else img  # a grey photograph
         photo = torch.from_numpy(np.ascontiguousarray(img[..., :3])).permute(2, 0, 1)  # (3, H, W) uint8
         h, w = photo.shape[1:]
+        if h < size or w < size:
+            raise ConfigError(f"config key 'data.image_size': photograph {name!r} is {h}x{w}, smaller than the "
+                              f"{size}x{size} patches asked")
         n = per_image if split == "train" else max(1, per_image // 4)
         ys = torch.randint(0, h - size + 1, (n,), generator=gen)
         xs = torch.randint(0, w - size + 1, (n,), generator=gen)
@@ -214,8 +249,62 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
     if name == "image_folder":
         return _image_folder(data_cfg.root, split, data_cfg.image_size)
     if name == "natural_patches":
-        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed)
-    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, got {name!r}")
+        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
+                               getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
+                               getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
+    if name == "digits":
+        if data_cfg.image_size < 28:
+            raise ConfigError(f"config key 'data.image_size': digits are upsampled to 28x28 and padded, not "
+                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
+        images, labels = digits_arrays(split)
+        return TensorImageDataset(torch.from_numpy(images)[:, None], torch.from_numpy(labels), data_cfg.image_size)
+    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, digits, "
+                     f"got {name!r}")
+
+
+#: digits: the first DIGITS_TRAIN of the 1,797 images are the train split, the other 500 the test split
+DIGITS_TRAIN = 1297
+
+
+def _digits_file() -> Optional[Path]:
+    """scikit-learn's copy of the UCI digits (sklearn/datasets/data/digits.csv.gz), found without
+    importing scikit-learn (slow); None when it is not installed or keeps the file elsewhere."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
+
+
+def digits_arrays(split: str) -> Tuple[np.ndarray, np.ndarray]:
+    """The UCI handwritten digits that scikit-learn ships in its wheel (offline; ``load_digits``:
+    1,797 images 8x8, 17 grey levels 0..16, white ink on black like MNIST) as uint8 images
+    (N, 28, 28), upsampled bilinearly (values x 255/16, rounded), and int64 labels (N,). Train: the
+    first 1,297 images; test: the last 500. Needs scikit-learn (``pip install scikit-learn``)."""
+    if split not in SPLITS:
+        raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    path = _digits_file()
+    if path is not None:
+        table = np.loadtxt(path, delimiter=",")
+        pixels, labels = table[:, :-1].reshape(-1, 8, 8), table[:, -1]
+    else:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            raise DataUnavailable("digits: the UCI handwritten digits ship inside scikit-learn's wheel, which is not "
+                                  "installed; pip install scikit-learn") from None
+        found = load_digits()
+        pixels, labels = found.images, found.target
+    part = slice(0, DIGITS_TRAIN) if split == "train" else slice(DIGITS_TRAIN, None)
+    x = torch.from_numpy(np.ascontiguousarray(pixels[part], dtype=np.float32))[:, None] / 16.0
+    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    images = (x[:, 0] * 255.0).round().clamp_(0, 255).to(torch.uint8).numpy()
+    return images, np.ascontiguousarray(labels[part], dtype=np.int64)
 
 
 def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]]]:
@@ -231,7 +320,7 @@ def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]
 
 
 def image_channels(data_cfg) -> int:
-    return 1 if data_cfg.name in ("fashion_mnist", "mnist") else 3
+    return 1 if data_cfg.name in ("fashion_mnist", "mnist", "digits") else 3
 
 
 class EpochBatches:
