@@ -106,7 +106,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
                   f"{t['bits_per_image']:.1f} bits/image")
         if not done:
             print("run the same command again to resume")
-        print(f"TensorBoard: .venv/bin/tensorboard --logdir {Path(summary['prior']) / 'tb'} --host 127.0.0.1")
+        from ddcl_vq.train.hints import tensorboard_hint
+        print(f"TensorBoard: {tensorboard_hint(Path(summary['prior']) / 'tb')}")
     return 0
 
 
@@ -205,7 +206,7 @@ def _study_main(argv):
 SUBCOMMANDS["study"] = _study_main
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _dispatch(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -215,6 +216,16 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     return int(SUBCOMMANDS[argv[0]](argv[1:]) or 0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``ddcl-vq prior SUBCOMMAND ...``. Every subcommand's main is wrapped in
+    :func:`ddcl_vq.train.errors.entry_point` (one-line errors as ``ddcl-vq prior SUB: error: ...``, exit 2;
+    ``--debug`` reaches it untouched); an unknown subcommand is a one-line error here."""
+    return _dispatch(argv)
+
+
+main.__wrapped__ = _dispatch  # what entry_point-wrapped mains expose (tests/test_cli.py checks every command)
 
 
 if __name__ == "__main__":
