@@ -90,3 +90,59 @@ def test_vqp_adapter_channel_last_and_kwargs():
     q = VQPQuantizer(16, 4, channel_dim=-1, kmeans_init=True, threshold_ema_dead_code=2)
     out = q.train()(torch.randn(3, 10, 4))
     assert out.indices.shape == (3, 10)
+
+
+def _copies(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4),
+    lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4, mode="soft", codebook_update="gradient"),
+    lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4, mode="soft_straight_through", implementation="reference"),
+    lambda: HardVQ(8, 4, kmeans_init=True),
+    lambda: HardVQ(8, 4, distance="cosine"),
+    lambda: EMAVQ(8, 4, dead_code_threshold=0.5),
+    lambda: VQPQuantizer(8, 4),
+], ids=["ddcl", "ddcl-soft-gradient", "ddcl-sst-reference", "hard-kmeans", "hard-cosine", "ema", "vqp"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channel_dim", [1, -1])
+def test_empty_batch_one_rule_for_every_quantizer(make, training, channel_dim):
+    """N = 0: a finite zero loss (backward works), zero terms, empty indices, quantized of the
+    input's empty shape, and no state change at all (no k-means start, no EMA or M-step update)."""
+    torch.manual_seed(0)
+    q = make().train(training)
+    if channel_dim == -1:
+        q.channel_dim = -1
+    before = _copies(q)
+    z = (torch.zeros(0, 4, 3, 3) if channel_dim == 1 else torch.zeros(2, 0, 4)).requires_grad_(True)
+    out = q(z)
+    assert out.quantized.shape == z.shape and out.quantized.dtype == z.dtype
+    assert out.indices.shape == ((0, 3, 3) if channel_dim == 1 else (2, 0)) and out.indices.dtype == torch.long
+    assert out.loss.dim() == 0 and out.loss.item() == 0.0
+    assert out.terms and all(v.item() == 0.0 for v in out.terms.values())
+    assert torch.isfinite(out.perplexity)
+    out.loss.backward()
+    assert z.grad.shape == z.shape
+    after = _copies(q)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    # the next real batch still starts the quantizer as a first batch would
+    flat = torch.randn(32, 4)
+    torch.manual_seed(0)
+    q2 = make().train(training)
+    q2.channel_dim = -1
+    q.channel_dim = -1
+    torch.manual_seed(1)
+    a = q(flat)
+    torch.manual_seed(1)
+    b = q2(flat)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.quantized, b.quantized)
+
+
+def test_hardvq_kmeans_on_an_empty_first_batch_stays_uninitialised():
+    q = HardVQ(8, 4, kmeans_init=True).train()
+    q(torch.zeros(0, 4, 2, 2))
+    assert not bool(q.initialized)
+    q(torch.randn(4, 4, 2, 2))
+    assert bool(q.initialized)

@@ -70,3 +70,25 @@ def test_help_explains_options(capsys):
     text = capsys.readouterr().out
     for option in ("--quick", "--json", "--memory", "--max-seconds", "--threads"):
         assert option in text
+
+
+def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
+    from ddcl_vq.eval.bench.steps import CONFIGS_DIR, FALLBACK_SOURCE, e2e_models
+    from ddcl_vq.train.settings import ConfigError
+    models, source, fallback = e2e_models()
+    assert fallback is None and "configs/fashion_ddcl.yaml" in source and set(models) == {"ddcl", "hardvq"}
+    models, source, fallback = e2e_models(tmp_path)            # an installed copy without configs/
+    assert source == FALLBACK_SOURCE and set(models) == {"ddcl", "hardvq"}
+    assert "fashion_ddcl.yaml, fashion_hard.yaml not found in" in fallback and str(tmp_path) in fallback
+    (tmp_path / "fashion_ddcl.yaml").write_text((CONFIGS_DIR / "fashion_ddcl.yaml").read_text())
+    (tmp_path / "fashion_hard.yaml").write_text("quantizer: {type: hard, num_codez: 3}\n")
+    with pytest.raises(ConfigError, match="num_codez"):       # a broken config is an error, not a fallback
+        e2e_models(tmp_path)
+
+
+def test_first_batch_row_measures_a_fresh_quantizer():
+    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-first", "ddcl-mstep"], warmup=1, repeats=1,
+                                            budget_seconds=5, max_seconds=10, calibration=1e-10)}
+    assert rows["ddcl-first"]["ms"] > 0 and rows["ddcl-first"]["floor_matmuls"] == 3
+    assert "ddcl-first" in format_table(list(rows.values()))
+    assert "first training batch" in IMPLS["ddcl-first"]

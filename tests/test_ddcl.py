@@ -1,6 +1,7 @@
 """DDCLQuantizer: the exact decomposition, indices, outputs and gradients of every mode; its
 temperature schedule; the Quantizer interface's neutral defaults for the baselines."""
 import math
+import re
 import warnings
 
 import pytest
@@ -315,3 +316,36 @@ def test_baselines_have_neutral_interface_defaults(cls):
     assert q.log_stats() == {} and q.describe() == {}
     assert all(torch.equal(v, q.state_dict()[k]) for k, v in state.items())
     assert DDCLQuantizer(8, 4).has_soft_codes
+
+
+def test_allowed_values_are_public_and_hold_the_signature_defaults():
+    """The allowed values live in ddcl_vq (DDCL_CHOICES, one tuple per choice argument); the defaults
+    only in DDCLQuantizer's signature, and each default is one of its allowed values."""
+    import inspect
+
+    import ddcl_vq
+    params = inspect.signature(_DDCLQuantizer).parameters
+    for name, allowed in ddcl_vq.DDCL_CHOICES.items():
+        assert params[name].default in allowed, name
+    assert ddcl_vq.DDCL_CHOICES["mode"] is ddcl_vq.MODES and "auto" in ddcl_vq.IMPLEMENTATIONS
+    assert inspect.signature(ddcl_vq.HardVQ).parameters["distance"].default in ddcl_vq.HARDVQ_CHOICES["distance"]
+
+
+@pytest.mark.parametrize("name", list(__import__("ddcl_vq").DDCL_CHOICES))
+def test_every_choice_argument_refuses_an_unknown_value(name):
+    with pytest.raises(ValueError, match=rf"expected {name} in \(.*\), got 'nope'"):
+        DDCLQuantizer(8, 4, **{name: "nope"})
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("beta", -0.5, "beta >= 0"), ("beta", "big", "beta >= 0"),
+    ("decay", 1.0, "0 <= decay < 1"), ("decay", True, "0 <= decay < 1"),
+    ("revive_threshold", -0.1, "0 <= revive_threshold < 1"),
+    ("chunk_size", 0, "chunk_size to be a positive int or None"), ("chunk_size", 2.0, "chunk_size"),
+    ("chunk_threshold_bytes", -1, "chunk_threshold_bytes >= 0"),
+    ("restart_step", -1, r"restart_step, an int >= 0 \(0 = never\)"), ("restart_step", True, "restart_step"),
+    ("warmup_steps", 1.5, r"warmup_steps, an int >= 0 \(0 = none\)"),
+])
+def test_numeric_arguments_are_checked_by_the_table(name, value, expected):
+    with pytest.raises(ValueError, match=rf"expected {expected}.*, got {re.escape(repr(value))}"):
+        DDCLQuantizer(8, 4, **{name: value})

@@ -256,3 +256,70 @@ def test_restart_refits_the_codebook_by_kmeans_on_the_batch_of_that_step():
     assert not torch.allclose(quant.codebook.detach(), expected)
     with pytest.raises(ValueError, match="restart_step"):
         DDCLQuantizer(8, 4, restart_step=-1)
+
+
+def test_nearest_codes_is_the_first_minimum_of_the_distances_in_any_block_size():
+    from ddcl_vq.base import squared_distances
+    from ddcl_vq.blocks import nearest_codes
+    torch.manual_seed(0)
+    z, w = torch.randn(300, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    w[7] = w[3]                                           # a tie: the first index wins
+    ref = squared_distances(z, w).min(1)
+    values, indices = nearest_codes(z, w)                 # one block: the same bits
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    for rows in (1, 7, 64):
+        values, indices = nearest_codes(z, w, rows)
+        assert torch.equal(indices, ref.indices)
+        torch.testing.assert_close(values, ref.values, rtol=1e-12, atol=1e-12)
+    assert nearest_codes(z[:0], w)[1].shape == (0,)
+
+
+def test_kmeans_work_is_bounded_by_fewer_iterations_then_a_sample():
+    from ddcl_vq.kmeans import KMEANS_WORK, kmeans_budget
+    assert kmeans_budget(8192, 16384, 10) == (8192, 10)            # the shipped settings: untouched
+    assert kmeans_budget(16384, 4096, 10) == (16384, 10)
+    points, iters = kmeans_budget(16384, 65536, 10)                # the large codebook: fewer iterations
+    assert points == 16384 and 1 <= iters < 10 and points * 65536 * iters <= KMEANS_WORK
+    points, iters = kmeans_budget(16384, 1 << 22, 10)              # one pass too many: a sample
+    assert iters == 1 and points < 16384 and points * (1 << 22) <= KMEANS_WORK
+    assert kmeans_budget(16384, 1 << 40, 10) == (1, 1)
+
+
+def test_kmeans_refuses_an_empty_batch_and_blocks_give_the_same_fit():
+    from ddcl_vq.kmeans import kmeans, kmeans_init_
+    with pytest.raises(ValueError, match="at least one vector"):
+        kmeans_init_(torch.empty(8, 4), torch.empty(0, 4))
+    x = torch.randn(500, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    one = kmeans(x, 20, generator=torch.Generator().manual_seed(0))
+    blocked = kmeans(x, 20, generator=torch.Generator().manual_seed(0), rows=37)
+    torch.testing.assert_close(one, blocked, rtol=1e-12, atol=1e-12)
+
+
+def test_first_training_batch_never_holds_an_n_by_k_tensor(monkeypatch):
+    """The first batch of a fresh quantizer (k-means start, distance scale, M-step statistics, the
+    straight-through output and its backward) works in blocks: no tensor the size of the N×K
+    distance matrix is ever created (it was, several times, in the k-means start and the scale)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    import ddcl_vq.blocks as blocks
+
+    class LargestStorage(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+            return out
+
+    n, d, k = 1024, 8, 8192
+    monkeypatch.setattr(blocks, "NEAREST_BLOCK_BYTES", 1 << 20)
+    z = torch.randn(n, d, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    quant = DDCLQuantizer(k, d, channel_dim=-1)
+    with LargestStorage() as probe:
+        out = quant(z)
+        (out.quantized.sum() + out.loss).backward()
+    assert bool(quant.initialized) and float(quant.distance_scale) > 0
+    assert probe.largest <= n * k * 4 // 2, probe.largest     # the M-step statistics' block: 512 rows × K

@@ -31,7 +31,8 @@ from ddcl_vq import ddcl as _ddcl
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
 from .data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
-from .settings import ConfigError, Rules, apply, check, keys_of, leaves, nearest
+from .settings import ConfigError, Rules, apply, check, did_you_mean, keys_of, leaves, nearest
+from .yamlfile import load_yaml_text, read_yaml  # bounded YAML (size, nesting, aliases)
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
            "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
@@ -214,7 +215,7 @@ def _unknown_key(key: str) -> ConfigError:
     if key in RENAMED:
         return ConfigError(f"config key {key!r} has moved to {RENAMED[key]!r} (the quantizer owns its "
                            "temperature schedule)")
-    return ConfigError(f"unknown config key {key!r}; did you mean {_nearest(key)!r}?")
+    return ConfigError(f"unknown config key {key!r}; {did_you_mean(key, all_keys())}")
 
 
 def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
@@ -246,9 +247,12 @@ def validate(cfg: Config) -> None:
     check_photos(cfg.data.train_photos, cfg.data.test_photos)
     size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
     if size % factor:
+        lower, upper = size // factor * factor, (size // factor + 1) * factor
+        halvings = (size & -size).bit_length() - 1  # how often size itself can be halved
+        hint = (f"e.g. {lower} or {upper}" if lower else
+                f"e.g. {upper}, or model.num_downsamples={halvings} or fewer for {size}-pixel images")
         raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "
-                          f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; "
-                          f"e.g. {max(factor, size // factor * factor)} or {(size // factor + 1) * factor}")
+                          f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; {hint}")
     decay = cfg.quantizer.decay
     if decay is not None and not 0 <= decay < 1:
         raise ConfigError(f"config key 'quantizer.decay': expected 0 <= decay < 1 (or null for the quantizer's "
@@ -270,7 +274,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"expected an override of the form dotted.key=value, got {text!r}")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml_text(raw, f"override {key.strip()!r}") if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
@@ -305,26 +309,6 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         if migrate:
             raw = migrate_renamed(raw)
     return Config.from_dict(apply_overrides(raw, overrides))
-
-
-def read_yaml(path: Path, what: str) -> Any:
-    """The YAML document in ``path`` ({} when empty); any reason it cannot be read is a ConfigError."""
-    if not path.exists():
-        raise ConfigError(f"{what} {str(path)!r} does not exist")
-    if path.is_dir():
-        raise ConfigError(f"{what} {str(path)!r} is a directory, expected a YAML file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} on line "
-                          f"{line}); save it as UTF-8") from None
-    except OSError as err:
-        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
 
 
 def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
-from ddcl_vq.distributed import replicas_identical
+from ddcl_vq.distributed import all_reduce_sum_, replicas_identical
 from ddcl_vq.models import VQVAE, VQVAEOutput
 
 from .builders import build_model, build_optimizer, lr_lambda
@@ -36,7 +36,9 @@ from .config import Config, dump_config
 from .data import EpochBatches, build_dataset, image_channels, make_loader, resolve_workers
 from .errors import UserError, one_line
 from .progress import Progress
-from .rundir import RunLock, check_resume, finished_summary, note, saved_config
+from .memory import NotEnoughMemory, check_fits
+from .rundir import (RunLock, check_resume, check_run_dir_setting, finished_summary, first_missing,
+                     keep_logged_steps, note, remove_failed_start, saved_config)
 from .settings import ConfigError
 from .testset import reconstruction_pass
 
@@ -103,6 +105,7 @@ class Checkpoints:
         self.run_dir, self.dir = run_dir, run_dir / "checkpoints"
         self.cfg, self.device, self.world, self.is_main = cfg, device, world, is_main
         self.model = self.optimizer = self.scheduler = None
+        self.log_state: Optional[LogState] = None  # the log's running figures, resumed with the run
         self.found = latest_checkpoint(self.dir, map_location=device) if self.dir.is_dir() else None
         self.step = int(self.found[0]["step"]) if self.found else 0
 
@@ -122,6 +125,8 @@ class Checkpoints:
         load_into(model, state["model"], path, "model")
         load_into(optimizer, state["optimizer"], path, "optimizer")
         load_into(scheduler, state["scheduler"], path, "learning-rate schedule")
+        if self.log_state is not None:
+            self.log_state.load_state_dict(state.get("log_state"), self.is_main)
         _set_rng_state(state["rng"], self.device)
         self.found = None  # let the loaded copy go
         if announce:
@@ -132,15 +137,54 @@ class Checkpoints:
         if self.world > 1 and not replicas_identical(self.model):
             raise RuntimeError(f"step {step}: model replicas differ across processes; the codebook is no "
                                "longer one codebook (a quantizer update that is not synchronised?)")
+        log_state = None if self.log_state is None else self.log_state.state_dict()  # on every process
         if not self.is_main:
             return
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "step": step, "rng": _rng_state(self.device),
                  "config": self.cfg.to_dict()}
+        if log_state is not None:
+            state["log_state"] = log_state
         save_checkpoint(state, self.dir / "last.pt")
         if periodic:
             save_checkpoint(state, self.dir / f"step_{step:07d}.pt")
             prune_periodic(self.dir)
+
+
+class LogState:
+    """What the log carries from step to step, saved in checkpoints so that a resumed run logs what
+    the straight run logs: the usage window being accumulated (``train.usage_window``), the last
+    completed window's figures, the cumulative ``revived`` count at the last metrics line."""
+
+    def __init__(self, model: VQVAE, device: torch.device):
+        self.usage = CodebookUsage(model.quantizer.num_codes, device=device)
+        self.stats: Optional[UsageStats] = None
+        self.revived_logged = float(getattr(model.quantizer, "revived", 0))  # for revived_new
+
+    def state_dict(self) -> Dict:
+        """Every process calls this (the window's counts are summed over processes: rank 0 saves them all)."""
+        counts, mass = self.usage.counts.clone(), self.usage.soft_mass.clone()
+        all_reduce_sum_(counts)
+        all_reduce_sum_(mass)
+        return {"counts": counts.cpu(), "soft_mass": mass.cpu(), "has_soft": self.usage.has_soft,
+                "stats": None if self.stats is None else {**self.stats.to_dict(), "counts": torch.tensor(self.stats.counts)},
+                "revived_logged": self.revived_logged}
+
+    def load_state_dict(self, state: Optional[Dict], is_main: bool) -> None:
+        """A checkpoint's log state (none in checkpoints from before it was saved: the window starts empty)."""
+        if not state:
+            return
+        if is_main:  # the others start from zero: the next all-reduce sums to the saved window plus the new steps
+            self.usage.counts.copy_(state["counts"])
+            self.usage.soft_mass.copy_(state["soft_mass"])
+        self.usage.has_soft = bool(state["has_soft"])
+        stats = state["stats"]
+        self.stats = None if stats is None else UsageStats(**{**stats, "counts": stats["counts"].tolist()})
+        self.revived_logged = float(state["revived_logged"])
+
+
+#: TensorBoard names of metrics.jsonl keys whose name alone would mislead
+TB_NAMES = {"revived": "revived_total"}
 
 
 class RunLog:
@@ -150,16 +194,18 @@ class RunLog:
     else one line every ``train.log_every`` steps). Files and progress on rank 0 only."""
 
     def __init__(self, cfg: Config, model: VQVAE, preview: torch.Tensor, step: int, device: torch.device,
-                 is_main: bool, quiet: bool):
+                 is_main: bool, quiet: bool, state: Optional["LogState"] = None):
         self.cfg, self.t, self.model, self.preview = cfg, cfg.train, model, preview
-        self.window = CodebookUsage(model.quantizer.num_codes, device=device)
-        self.window_stats: Optional[UsageStats] = None
+        self.state = state if state is not None else LogState(model, device)  # resumed with the run
         self.writer = self.metrics = self.progress = None
         run_dir = Path(cfg.run.dir)
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=step if step else None)
-            # a fresh start (no checkpoint): lines left by an attempt that saved none describe nothing
+            # a fresh start (no checkpoint): lines left by an attempt that saved none describe nothing;
+            # a resumed run: lines past the checkpoint's step are logged again from here, so they go
+            if step:
+                keep_logged_steps(run_dir / "metrics.jsonl", step)
             self.metrics = open(run_dir / "metrics.jsonl", "a" if step else "w")
             if not quiet:  # a bar on a terminal, one line per train.log_every steps in a log file
                 self.progress = Progress(self.t.steps, cfg.run.name, unit="step", initial=step,
@@ -169,13 +215,14 @@ class RunLog:
     def after_step(self, step: int, loss: torch.Tensor, recon_loss: torch.Tensor, out: VQVAEOutput,
                    optimizer: torch.optim.Optimizer) -> None:
         q = out.quantizer
-        self.window.update(q.indices, q.soft_counts)
+        window = self.state.usage
+        window.update(q.indices, q.soft_counts)
         if _due(step, self.t.usage_window, self.t.steps):
-            self.window_stats = self.window.compute()  # all-reduced across processes
-            self.window.reset()
+            self.state.stats = window.compute()  # all-reduced across processes
+            window.reset()
             if self.writer is not None:
                 self.writer.add_histogram("usage/code_counts",
-                                          torch.tensor(self.window_stats.counts, dtype=torch.float32), step)
+                                          torch.tensor(self.state.stats.counts, dtype=torch.float32), step)
         if self.writer is None:
             return
         if _due(step, self.t.log_every, self.t.steps):
@@ -189,11 +236,17 @@ class RunLog:
         record = {"step": step, "time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
                   "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
                   "perplexity_batch": float(q.perplexity),
-                  "lr": optimizer.param_groups[0]["lr"], "codebook_lr": optimizer.param_groups[-1]["lr"]}
+                  "lr": optimizer.param_groups[0]["lr"]}
+        codebook_group = [g for g in optimizer.param_groups if g.get("name") == "codebook"]
+        if codebook_group:  # a codebook trained by the optimizer (an M-step or EMA codebook has no learning rate)
+            record["codebook_lr"] = codebook_group[0]["lr"]
         record.update({f"term_{k}": float(v) for k, v in q.terms.items()})
         record.update(self.model.quantizer.log_stats())
-        if self.window_stats is not None:
-            w = self.window_stats
+        if "revived" in record:  # cumulative (codes re-seeded since the run began); revived_new: since the last line
+            record["revived_new"] = record["revived"] - self.state.revived_logged
+            self.state.revived_logged = record["revived"]
+        if self.state.stats is not None:
+            w = self.state.stats
             record.update(utilization_window=w.utilization, dead_codes_window=w.dead_codes,
                           perplexity_window=w.perplexity)
         return record
@@ -203,9 +256,9 @@ class RunLog:
         self.metrics.flush()
         for k, v in record.items():
             if k not in ("step", "time", "wall"):
-                self.writer.add_scalar(k.replace("term_", "terms/"), v, step)
+                self.writer.add_scalar(TB_NAMES.get(k, k).replace("term_", "terms/"), v, step)
         if self.progress is not None:
-            w = self.window_stats
+            w = self.state.stats
             self.progress.set_postfix(loss=f"{record['loss']:.4f}", ppl=f"{record['perplexity_batch']:.0f}",
                                       util=f"{w.utilization:.0%}" if w else "-")
 
@@ -265,13 +318,25 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     its summary is left as it is; when the end-of-run evaluation fails, the finished training is
     kept and running the same command again only evaluates.
     """
+    run_dir = check_run_dir_setting(cfg.run.dir)  # never the current folder by accident
     env = setup_distributed(cfg.train.device)
-    lock = RunLock(Path(cfg.run.dir)).acquire() if env["rank"] == 0 else None
+    created = first_missing(run_dir) if env["rank"] == 0 else None
+    lock = RunLock(run_dir).acquire() if env["rank"] == 0 else None
+    failed = True
     try:
-        return _train(cfg, env, quiet, stop_after)
+        result = _train(cfg, env, quiet, stop_after)
+        failed = False
+        return result
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err):
+            raise NotEnoughMemory(f"out of memory on {env['device']} ({one_line(err)}); lower quantizer.num_codes "
+                                  "(or model.latent_dim, data.batch_size, model.channels)") from err
+        raise
     finally:
         if lock is not None:
             lock.release()
+        if failed and created is not None:
+            remove_failed_start(run_dir, created)  # a run that never got going leaves no folder behind
 
 
 def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Dict:
@@ -291,11 +356,23 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
                       "run.dir", file=sys.stderr)
             return done
 
+    check_fits(cfg, image_channels(cfg.data), device, world)  # a model the machine cannot hold: refused with the figure
     train_set = build_dataset(cfg.data, "train", cfg.run.seed)
     test_set = build_dataset(cfg.data, "test", cfg.run.seed)
     model = build_model(cfg, image_channels(cfg.data)).to(device)
     optimizer = build_optimizer(model, t, cfg.quantizer.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    # The training batches' iterator is made BEFORE the RNG state is restored: making a DataLoader
+    # iterator draws its base seed from the global RNG, which training draws from too (DDCL's revival,
+    # torch.multinomial). A straight run draws it here, after building the model; a resumed run
+    # draws it here too, then restores the RNG state its checkpoint saved, so it continues the
+    # straight run's random stream exactly (its data order has its own generator, EpochBatches).
+    batches = None
+    if checkpoints.step < t.steps:
+        batches = iter(make_loader(train_set, EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed,
+                                                           env["rank"], world, start_step=checkpoints.step),
+                                   resolve_workers(cfg.data, train_set), device))
+    checkpoints.log_state = LogState(model, device)
     # the quantizer's state (its temperature schedule included) comes with the model
     step = checkpoints.resume(model, optimizer, scheduler, announce=is_main and not quiet)
     if is_main:
@@ -305,7 +382,7 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
 
     t_start = time.time()
     if step < t.steps:
-        step = _steps(cfg, env, model, optimizer, scheduler, checkpoints, train_set, test_set, step, quiet,
+        step = _steps(cfg, env, model, optimizer, scheduler, checkpoints, batches, test_set, step, quiet,
                       stop_after)
     train_seconds = time.time() - t_start
 
@@ -332,9 +409,10 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
     return summary
 
 
-def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoints: Checkpoints, train_set, test_set,
+def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoints: Checkpoints, batches, test_set,
            step: int, quiet: bool, stop_after: Optional[int]) -> int:
-    """The training steps of this session, from ``step``; -> the step reached."""
+    """The training steps of this session, from ``step``, over ``batches`` (an iterator of (images,
+    labels) that starts at ``step``); -> the step reached."""
     world, device, is_main = env["world"], env["device"], env["rank"] == 0
     t = cfg.train
     ddp_model = model
@@ -343,16 +421,14 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
         # themselves, and replicas_identical() checks that at every checkpoint.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    batches = EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed, env["rank"], world, start_step=step)
-    loader = make_loader(train_set, batches, resolve_workers(cfg.data, train_set), device)
     autocast, scaler = _mixed_precision(t.amp, device)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
-    log = RunLog(cfg, model, preview, step, device, is_main, quiet)
+    log = RunLog(cfg, model, preview, step, device, is_main, quiet, checkpoints.log_state)
 
     first_step = step
     ddp_model.train()
     try:
-        for images, _ in loader:
+        for images, _ in batches:
             if step >= t.steps:
                 break
             if stop_after is not None and step - first_step >= stop_after:

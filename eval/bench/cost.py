@@ -16,6 +16,7 @@ import torch
 IMPLS = {
     "matmul6": "six bare matmuls (floor of the full DDCL gradient)",
     "ddcl-mstep": "DDCL default: straight_through, M-step codebook",
+    "ddcl-first": "DDCL default on its first training batch: a fresh quantizer, k-means start included",
     "ddcl-reference": "DDCL straight_through (codebook by gradient), plain autograd",
     "ddcl-fused": "DDCL straight_through (codebook by gradient), fused",
     "ddcl-chunked": "DDCL straight_through (codebook by gradient), chunked",
@@ -33,6 +34,7 @@ IMPLS = {
 COST = {
     "matmul6": (6.0, 0.0, 0.0),
     "ddcl-mstep": (3.0, 4.0, 1.0),
+    "ddcl-first": (4.0, 5.0, 1.0),       # + the k-means fit (see estimate)
     "ddcl-reference": (3.0, 23.0, 8.0),
     "ddcl-fused": (3.0, 3.0, 0.0),
     "ddcl-chunked": (3.0, 3.0, 0.0),
@@ -46,7 +48,7 @@ COST = {
 
 
 FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6,
-                 "ddcl-mstep": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
+                 "ddcl-mstep": 3, "ddcl-first": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
 
 
 def calibrate(device: str = "cpu") -> float:
@@ -69,6 +71,13 @@ def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float,
     wide = (d / 64) * (0.8 if d > 64 else 1.0)     # wider matmuls run nearer peak
     seconds = (units * wide + other) * unit64
     extra = tensors * n * k * 4 + 8 * n * d * 4
+    if name == "ddcl-first":               # the k-means fit: its Lloyd iterations over the sampled points
+        import inspect
+
+        from ddcl_vq.kmeans import kmeans_budget, kmeans_init_
+        defaults = {p.name: p.default for p in inspect.signature(kmeans_init_).parameters.values()}
+        points, iters = kmeans_budget(min(n, defaults["max_points"]), k, defaults["iters"])
+        seconds += 2.0 * iters * points * k / (n * k) * unit64
     if name in ("ddcl-fused", "ddcl-chunked", "ddcl-soft-fused", "ddcl-soft-chunked"):
         from ddcl_vq.blocks import chunk_rows
         extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers

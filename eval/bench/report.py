@@ -25,6 +25,8 @@ def format_table(rows: List[dict]) -> str:
                         + (f"; CPU time {r['cpu_paired_ratio_vs_hardvq']:.2f}x" if "cpu_paired_ratio_vs_hardvq" in r
                            else "") + ")"
                         + (f", path={r['path']}" if r.get("path") else ""))
+        if r.get("fallback"):
+            note.append(f"model: {r['source']} ({r['fallback']})")
         lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
                      + "; ".join(note))
     return "\n".join(lines)
@@ -38,7 +40,9 @@ x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shap
 % 6mm: rate relative to the six bare matmuls of the full DDCL gradient at the same shape
       (100% = as fast as the matmuls alone). straight_through DDCL (ddcl-*) needs only three
       of them (no gradient through q to z), so it can pass 100%.
-DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook); ddcl-<path> =
+DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first
+batch; ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and
+first-batch set-up included, every run); ddcl-<path> =
 straight_through with the codebook trained by gradient; ddcl-soft-<path> = soft mode (full gradient)."""
 
 

@@ -7,7 +7,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -61,6 +61,17 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         return step
 
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
+    one = torch.ones((), device=device)
+    z, gr = inp.z, inp.grad
+    if name == "ddcl-first":
+        # the library default on its first training batch: every call builds a fresh quantizer, so
+        # each run includes the k-means start and the first-batch set-up
+        def first():
+            quant = DDCLQuantizer(k, d, channel_dim=-1).to(device).train()
+            out = quant(z)
+            torch.autograd.backward([out.quantized, out.loss], [gr, one])
+            z.grad = None
+        return synchronized(first, device)
     if name == "ddcl-mstep":
         # the library default in its steady state (past the warm-up's first 100 training batches)
         quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0)
@@ -83,8 +94,6 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
     quant.to(device).train()
-    one = torch.ones((), device=device)
-    z, gr = inp.z, inp.grad
 
     def step():
         out = quant(z)
@@ -95,40 +104,65 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     return synchronized(step, device)
 
 
+#: the configs the VQ-VAE step compares, in the repository's configs/ folder
+E2E_CONFIGS = (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml"))
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # the repository: eval/bench/steps.py
+FALLBACK_SOURCE = "ddcl_vq.models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
+
+
+def _fallback_models() -> dict:
+    """The documented default model with DDCL and with HardVQ, AdamW at lr 2e-3."""
+    from ddcl_vq import DDCLQuantizer, HardVQ
+    from ddcl_vq.models import VQVAE, Decoder, Encoder
+    models = {}
+    for label, q in (("ddcl", DDCLQuantizer(512, 64)), ("hardvq", HardVQ(512, 64))):
+        torch.manual_seed(0)
+        model = VQVAE(Encoder(), q, Decoder())
+        models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
+    return models
+
+
+def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
+    """label -> (model, optimizer, quantizer loss weight), where they came from, and why the
+    fallback model was used (None when the configs were used).
+
+    The configs are built through the training package's builders; when that package cannot be
+    imported, or the configs are not beside this file (an installed copy without the
+    repository), the documented default model stands in, and the reason goes into each row. A
+    config that is there but invalid is an error (a ConfigError naming it), not a fallback."""
+    try:
+        from ddcl_vq.train.builders import build_model, build_optimizer
+        from ddcl_vq.train.config import load_config
+    except ImportError as err:
+        return _fallback_models(), FALLBACK_SOURCE, f"the training package cannot be imported ({err})"
+    missing = [name for _, name in E2E_CONFIGS if not (configs / name).is_file()]
+    if missing:
+        return _fallback_models(), FALLBACK_SOURCE, f"{', '.join(missing)} not found in {configs}"
+    models = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, cfg_name in E2E_CONFIGS:
+            cfg = load_config(configs / cfg_name)
+            torch.manual_seed(0)
+            model = build_model(cfg, in_channels=1)
+            opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
+            models[label] = (model, opt, cfg.train.quantizer_loss_weight)
+    return models, "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.train.builders", None
+
+
 def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True,
              device: str = "cpu") -> List[dict]:
     """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ.
 
     Models: configs/fashion_ddcl.yaml (the library default: straight_through, M-step codebook)
     and configs/fashion_hard.yaml through the training package's builders when it is importable,
-    else ``VQVAE(Encoder(), Q(512, 64), Decoder())`` with AdamW. ``with_reference`` adds the DDCL
+    else ``VQVAE(Encoder(), Q(512, 64), Decoder())`` with AdamW, the reason in each row's ``fallback``. ``with_reference`` adds the DDCL
     model on the reference path when its quantizer has one to choose (not the M-step default in
     straight_through mode, which takes no assignment path). Each row has the wall-clock median and
     ratios, and the same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``): on a
     core shared with other jobs the CPU time leaves out the time the step waited for the core.
     """
-    from ddcl_vq import DDCLQuantizer, HardVQ
-    models = {}
-    root = Path(__file__).resolve().parents[2]  # the repository: eval/bench/steps.py
-    source = "ddcl_vq.models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
-    try:
-        from ddcl_vq.train.builders import build_model, build_optimizer
-        from ddcl_vq.train.config import load_config
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for label, cfg_name in (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml")):
-                cfg = load_config(root / "configs" / cfg_name)
-                torch.manual_seed(0)
-                model = build_model(cfg, in_channels=1)
-                opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
-                models[label] = (model, opt, cfg.train.quantizer_loss_weight)
-        source = "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.train.builders"
-    except Exception:  # the training package is not there: the documented default model
-        from ddcl_vq.models import VQVAE, Decoder, Encoder
-        for label, q in (("ddcl", DDCLQuantizer(512, 64)), ("hardvq", HardVQ(512, 64))):
-            torch.manual_seed(0)
-            model = VQVAE(Encoder(), q, Decoder())
-            models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
+    models, source, fallback = e2e_models()
     q_default = models["ddcl"][0].quantizer
     if hasattr(q_default, "warmup_batches"):  # time the steady state, past the warm-up
         q_default.warmup_batches.fill_(q_default.warmup_steps)
@@ -179,7 +213,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
         paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
         cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, ms=round(med[label], 3), peak_mb=None,
-                        batch=batch, runs=repeats, path=impl, source=source,
+                        batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
                         ratio_vs_hardvq=round(med[label] / med["hardvq"], 3),
                         paired_ratio_vs_hardvq=round(paired, 3), cpu_ms=round(cpu_med[label], 3),
                         cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3)))
