@@ -1,7 +1,9 @@
 """Atomic checkpoints: write to a temporary file, fsync, rename; load with weights_only=True."""
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -18,6 +20,36 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint file is missing, truncated or corrupted; the message names the file."""
 
 
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written (a full disk, a file-size limit, ...); the previous one is intact."""
+
+
+def _os_cause(err: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError ``err`` is or was raised from / while handling (torch.save wraps a failed write)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    """A failed write (the OS refused: a full disk, a file-size limit), not a bug in what is saved."""
+    text = str(err)
+    return _os_cause(err) is not None or "PytorchStreamWriter" in text or "inline_container" in text
+
+
+def _write_failure(err: BaseException) -> str:
+    """Why torch.save failed, in one line: the OS error (possibly wrapped in torch's RuntimeError)."""
+    cause = _os_cause(err)
+    if cause is not None and cause.errno is not None:
+        return f"{os.strerror(cause.errno)} ({errno.errorcode.get(cause.errno, cause.errno)})"
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
 def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
     """Write ``state`` to ``path`` atomically: a crash mid-write leaves the old file intact."""
     path = Path(path)
@@ -29,9 +61,18 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
+        if not _is_write_failure(err):
+            raise  # not the file system: a bug, keep its traceback
+        kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+        raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {_write_failure(err)}; {kept}. Free "
+                                   "disk space (or raise the file-size limit) and run the same command again: it "
+                                   "resumes from the last checkpoint") from err
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
@@ -41,14 +82,38 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dic
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" not in str(err).lower():
+            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
+                                  f"({type(err).__name__}: {_reason(err)})") from None
+        # a pickle that asks for Python objects beyond tensors and plain containers (a class, a function
+        # such as os.system): refused before anything in it ran. Never suggest loading it in full.
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a plain checkpoint of tensors: it asks to load Python "
+                              f"objects ({_refused_object(err)}), which loading only weights refuses; it may be "
+                              "malicious and was not loaded (nothing in it ran). Delete it, or replace it with a "
+                              "checkpoint you trust") from None
     except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
-                              f"({type(err).__name__}: {reason})") from None
+                              f"({type(err).__name__}: {_reason(err)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise CheckpointError(f"checkpoint {str(path)!r}: expected a ddcl-vq training checkpoint "
                               f"(a dict with 'model' and 'step'), got {type(state).__name__}")
     return state
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of ``err``, without advice to load with ``weights_only`` off (that runs code)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip() and "weights_only" not in line]
+    return (lines or [type(err).__name__])[0][:200]
+
+
+def _refused_object(err: BaseException) -> str:
+    """What a weights-only load refused, from torch's message ('unsupported GLOBAL posix.system ...')."""
+    for line in str(err).splitlines():
+        line = line.strip()
+        if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line:
+            return line.rstrip(".")[:200]
+    return "not tensors"
 
 
 def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model") -> None:

@@ -73,10 +73,13 @@ def fashion_mnist_arrays(split: str, root: str | os.PathLike = "data", download:
         return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
     except Exception as err:  # noqa: BLE001 - any failure means: not available here
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        tried = (f"let torchvision download it into {Path(root) / 'FashionMNIST'} (needs internet; failed: {reason})"
+                 if download else
+                 f"put torchvision's copy in {Path(root) / 'FashionMNIST'} (not there: {reason}), or let torchvision "
+                 "download it there with data.download=true (needs internet)")
         raise DataUnavailable(
             f"Fashion-MNIST not found: install the Debian package (apt-get install dataset-fashion-mnist, "
-            f"files in {DEBIAN_FASHION_DIR}) or let torchvision download it into {Path(root) / 'FashionMNIST'} "
-            f"(needs internet; failed: {reason})") from None
+            f"files in {DEBIAN_FASHION_DIR}) or {tried}") from None
 
 
 class TensorImageDataset(Dataset):
@@ -170,8 +173,11 @@ def _torchvision_dataset(name: str, split: str, root: str, download: bool, image
         ds = cls(root, train=split == "train", download=download)
     except Exception as err:  # noqa: BLE001
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataUnavailable(f"{name}: not found under {root!r} and torchvision could not download it "
-                              f"({reason}); put the files there or run with internet and data.download=true") from None
+        if download:
+            raise DataUnavailable(f"{name}: not found under {root!r} and torchvision could not download it "
+                                  f"({reason}); put the files there or run with internet") from None
+        raise DataUnavailable(f"{name}: not found under {root!r} ({reason}); put the files there, or let torchvision "
+                              "download them with data.download=true (needs internet)") from None
     data = torch.as_tensor(ds.data)
     images = data[:, None] if data.dim() == 3 else data.permute(0, 3, 1, 2)
     if images.shape[-1] > image_size:
@@ -180,16 +186,68 @@ def _torchvision_dataset(name: str, split: str, root: str, download: bool, image
     return TensorImageDataset(images.contiguous(), torch.as_tensor(ds.targets), image_size)
 
 
+class UnfaithfulImage(ValueError):
+    """An image whose pixel values cannot be mapped to [0, 1] without guessing (see :func:`open_image`)."""
+
+
+#: 16-bit unsigned modes Pillow opens (PNG, TIFF): full scale 65535
+_MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def open_image(path: str):
+    """An image file as a PIL image that torchvision's transforms turn into [0, 1] values faithfully:
+    8-bit images (and any mode Pillow converts without loss of scale) as ``RGB``, as torchvision's
+    default loader does; high-bit-depth grey images as a float image (mode ``F``) in [0, 1]:
+    16-bit (``I;16``) divided by 65535, 32-bit integers (``I``) likewise when they lie in 0..65535
+    (a 16-bit image in a 32-bit container), float images (``F``) when they lie in [0, 1].
+    Anything else (``I`` beyond 16 bits, floats outside [0, 1], signed 16-bit) is an
+    :class:`UnfaithfulImage`: converting it means guessing its scale (Pillow's RGB conversion
+    clips such images to white)."""
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        mode = img.mode
+        if mode in _MODES_16BIT:
+            values = np.asarray(img, dtype=np.float64) / 65535.0
+        elif mode in ("I", "F"):
+            values = np.asarray(img, dtype=np.float64)
+            lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+            if not np.isfinite(values).all():
+                raise UnfaithfulImage(f"{mode} image with non-finite values; cannot map it to [0, 1]")
+            if mode == "I" and lo >= 0 and hi <= 65535:
+                values = values / 65535.0
+            elif mode == "F" and lo >= 0 and hi <= 1:
+                pass
+            else:
+                scale = "32-bit integer" if mode == "I" else "floating-point"
+                expected = "0..65535 (16 bits)" if mode == "I" else "[0, 1]"
+                raise UnfaithfulImage(f"{scale} image (mode {mode}) with values {lo:g}..{hi:g}, expected "
+                                      f"{expected}; its scale would be a guess (save it as 8- or 16-bit)")
+        elif mode.startswith("I;16"):
+            raise UnfaithfulImage(f"image mode {mode} (signed or packed 16-bit) has no known [0, 1] scale; save it "
+                                  "as unsigned 8- or 16-bit")
+        else:
+            return img.convert("RGB")
+    return Image.fromarray(values.astype(np.float32), mode="F")
+
+
+def _three_channels(x: Tensor) -> Tensor:
+    """A (1, H, W) grey image (a high-bit-depth file, loaded as one float channel) as (3, H, W)."""
+    return x.expand(3, -1, -1).contiguous() if x.shape[0] == 1 else x
+
+
 class ImageFiles(Dataset):
-    """torchvision's ImageFolder (``folder/<class>/<image>``) whose read errors name the file."""
+    """torchvision's ImageFolder (``folder/<class>/<image>``) whose read errors name the file;
+    images are read by :func:`open_image` (16-bit images keep their scale)."""
 
     def __init__(self, folder: Path, image_size: int):
         from torchvision import datasets, transforms
 
         tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                                 transforms.ToTensor()])
+                                 transforms.ToTensor(), _three_channels])
         try:
-            self.folder = datasets.ImageFolder(str(folder), transform=tf)
+            self.folder = datasets.ImageFolder(str(folder), transform=tf, loader=open_image)
         except (FileNotFoundError, NotADirectoryError) as err:  # no class folder, or an empty one
             raise DataUnavailable(f"image_folder {str(folder)!r}: {one_line(err)} (expected class folders of "
                                   "images, as torchvision's ImageFolder reads)") from None
@@ -206,11 +264,12 @@ class ImageFiles(Dataset):
                                   f"{one_line(err)}); replace or remove it ({CHECK_HINT})") from None
 
     def unreadable(self) -> list[tuple[str, str]]:
-        """(path, reason) for every file that cannot be decoded (each one is read in full)."""
+        """(path, reason) for every file that cannot be decoded or converted to [0, 1] faithfully
+        (each one is read in full)."""
         bad = []
         for path, _ in self.samples:
             try:
-                self.folder.loader(path)
+                self.folder.loader(path).load()
             except Exception as err:  # noqa: BLE001
                 bad.append((path, f"{type(err).__name__}: {one_line(err)}"))
         return bad
@@ -247,7 +306,11 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
     if name in ("mnist", "cifar10"):
         return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
     if name == "image_folder":
-        return _image_folder(data_cfg.root, split, data_cfg.image_size)
+        folder = _image_folder(data_cfg.root, split, data_cfg.image_size)
+        if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
+            from .augment import CropFlip  # seeded random-resized crop + flip (the test split: centre crop)
+            return CropFlip(folder, data_cfg.image_size, seed)
+        return folder
     if name == "natural_patches":
         return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
                                getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
@@ -313,7 +376,7 @@ def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]
     report, bad = [], []
     for split in SPLITS:
         dataset = build_dataset(data_cfg, split, seed)
-        if isinstance(dataset, ImageFiles):
+        if isinstance(dataset, ImageFiles) or hasattr(dataset, "unreadable"):
             bad += dataset.unreadable()
         report.append(f"{data_cfg.name} {split}: {len(dataset)} images")
     return report, bad
@@ -387,6 +450,8 @@ def make_loader(dataset: Dataset, batches: Iterable[List[int]], num_workers: int
     with ``non_blocking=True``). The batches are the same with any number of workers."""
     cuda = torch.device(device).type == "cuda"
     options = dict(num_workers=num_workers, pin_memory=cuda, persistent_workers=num_workers > 0)
+    if hasattr(dataset, "tag_batches"):  # train/augment.py: draws seeded by (epoch, index)
+        batches = dataset.tag_batches(batches)
     if in_memory(dataset):
         return DataLoader(dataset, sampler=batches, batch_size=None, **options)
     return DataLoader(dataset, batch_sampler=batches, **options)

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .config import Config, differences, load_config, migrate_renamed
 from .errors import UserError, one_line
@@ -221,3 +221,117 @@ def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str
 
 def note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- which folder
+
+def run_dir_of_config(config_path: str | Path) -> Optional[Path]:
+    """The run directory a config file belongs to: ``RUN_DIR`` when ``config_path`` is
+    ``RUN_DIR/config.yaml`` next to the run's ``checkpoints/`` or ``metrics.jsonl``; else None."""
+    path = Path(config_path)
+    folder = path.parent
+    if path.name != "config.yaml" or not path.is_file():
+        return None
+    return folder if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file() else None
+
+
+def follow_run_dir(cfg: Config, config_path: str | Path, overrides: Sequence[str] = ()) -> Optional[str]:
+    """The rule for ``--config RUN_DIR/config.yaml``: continue THAT run directory.
+
+    A run's config.yaml names the folder it was trained in (``run.dir``); after ``cp -a`` or ``mv``
+    that name is stale (it points to the original, or to nothing), so when the config file lives in
+    a run directory (:func:`run_dir_of_config`) and no ``run.dir=...`` override is given, ``cfg.run.dir``
+    becomes that directory. An explicit ``run.dir=`` override always wins. -> a note to print when
+    the saved run.dir was not that folder (None when it was, or when the rule does not apply)."""
+    folder = run_dir_of_config(config_path)
+    if folder is None or any(text.split("=", 1)[0].strip() == "run.dir" for text in overrides):
+        return None
+    saved = cfg.run.dir
+    if saved.strip() and Path(saved).resolve() == folder.resolve():
+        return None
+    cfg.run.dir = str(folder)
+    return (f"{str(Path(config_path))!r} says run.dir {saved!r}, but it lives in the run directory {str(folder)!r} "
+            f"(a copied or moved run): training {str(folder)!r}, the run this config belongs to (give run.dir=... "
+            "to train another folder)")
+
+
+def check_run_dir_setting(run_dir: str) -> Path:
+    """``run.dir`` as a Path; RunDirError for an empty one (an unset shell variable in ``run.dir=$DIR``):
+    it would mean the current folder, and a run writes config.yaml, checkpoints/, tb/ there."""
+    if not str(run_dir).strip():
+        raise RunDirError("run.dir is empty (an unset variable in run.dir=$DIR?); a run would write config.yaml, "
+                          "checkpoints/, tb/ and metrics.jsonl into the current folder. Give the run's folder, e.g. "
+                          "run.dir=runs/NAME (run.dir=. to mean the current folder)")
+    return Path(run_dir)
+
+
+def first_missing(path: Path) -> Optional[Path]:
+    """The outermost folder of ``path`` (itself or a parent) that does not exist yet: what creating
+    ``path`` creates (None when ``path`` exists)."""
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    top = path
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    return top
+
+
+#: what a training writes into a run directory before its first step
+_SETUP_FILES = {"config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK_NAME}
+
+
+def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
+    """After a training failed: remove the run directory when this command created it (``created``,
+    from :func:`first_missing` before) and the run never got going — no checkpoint and no metrics
+    line, nothing but what set-up writes — with the parent folders it created; -> whether it did.
+    A run that trained (a checkpoint, or a metrics line that shows why it failed) is kept."""
+    import shutil
+
+    run_dir = Path(run_dir).absolute()
+    if created is None or not run_dir.is_dir():
+        return False
+    names = {p.name for p in run_dir.iterdir()}
+    metrics = run_dir / "metrics.jsonl"
+    if not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0):
+        return False
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    folder = run_dir.parent
+    while folder != created.parent and folder.is_dir():
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
+        folder = folder.parent
+    return not run_dir.exists()
+
+
+def keep_logged_steps(metrics: Path, step: int) -> None:
+    """Before a run resumes from its checkpoint at ``step``: drop the lines of ``metrics``
+    (metrics.jsonl) for later steps — the killed session logged them, the resumed one logs them
+    again — and a line cut short by the kill. Rewritten atomically; nothing to do when every line is kept."""
+    import json
+
+    metrics = Path(metrics)
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text(errors="replace").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            if int(record["step"]) > step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line (the kill cut it) or not a record
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return
+    tmp = metrics.with_name(f".{metrics.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text("".join(kept))
+        os.replace(tmp, metrics)
+    finally:
+        tmp.unlink(missing_ok=True)

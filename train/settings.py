@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import MISSING, dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -76,7 +77,39 @@ def nearest(key: str, candidates: Sequence[str]) -> str:
     return match[0] if match else "?"
 
 
+def close_key(key: str, candidates: Sequence[str]) -> Optional[str]:
+    """A valid key close enough to ``key`` to be what was meant, or None: one whose last part is
+    close to ``key``'s last part (in ``key``'s section first: a key in the wrong section points to
+    the right one), else one close as a whole."""
+    leaf = key.split(".")[-1]
+    close = difflib.get_close_matches(leaf, sorted({k.split(".")[-1] for k in candidates}), n=1, cutoff=0.6)
+    if close:
+        section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        same = [k for k in candidates if k.split(".")[-1] == close[0]]
+        return ([k for k in same if section and k.startswith(section)] or same)[0]
+    whole = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.8)
+    return whole[0] if whole else None
+
+
+def did_you_mean(key: str, candidates: Sequence[str]) -> str:
+    """What an unknown-key error suggests: the close key (``did you mean 'model.channels'?``), else
+    the valid keys of ``key``'s section, else the sections — never a far-off key."""
+    match = close_key(key, candidates)
+    if match:
+        return f"did you mean {match!r}?"
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    depth = key.count(".")
+    same = [k.split(".")[-1] for k in candidates if section and k.startswith(section + ".") and k.count(".") == depth]
+    if same:
+        return f"no key is close; the keys of {section!r} are {', '.join(same)}"
+    tops = sorted({k.split(".")[0] for k in candidates})
+    return f"no key is close; the sections are {', '.join(tops)}" if tops else "no key is close"
+
+
 # ----------------------------------------------------------------------------- values
+
+#: a float in YAML 1.2 and Python that PyYAML (YAML 1.1) reads as a string: 1e-3, 1e+9, 2E5, 1.0e3
+_FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 
 def _optional(annotation: Any) -> Tuple[Any, bool]:
     """(the type inside Optional[...], whether None is allowed)."""
@@ -114,6 +147,8 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)  # 1e-3: YAML 1.1 makes it a string, people write learning rates so
     elif annotation is str:
         if isinstance(value, str):
             return value
@@ -152,7 +187,7 @@ def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = 
         if field_name not in names:
             if unknown is not None:
                 raise unknown(key)
-            raise ConfigError(f"unknown {name(key)}; did you mean {nearest(key, candidates)!r}?")
+            raise ConfigError(f"unknown {name(key)}; {did_you_mean(key, candidates)}")
         current = getattr(obj, field_name)
         if dataclasses.is_dataclass(current):
             apply(current, value, prefix=key + ".", name=name, candidates=candidates, unknown=unknown)

@@ -1,0 +1,405 @@
+"""Issue 24, the training side: each defect reproduced on real parts (real Fashion-MNIST, real
+files, real processes), and the fix checked.
+
+1. a copied or moved run trains its own folder; 2. a resumed run equals the uninterrupted run
+bit for bit, across a codebook revival, and metrics.jsonl holds each step once; 3. 16-bit images
+keep their scale (--check-data names those that cannot be converted faithfully); 4. an empty
+run.dir is refused; 6. config files are bounded (size, nesting, aliases); 7. a full disk while
+saving a checkpoint is one line and the previous checkpoint survives; 10. a configuration the
+machine cannot hold is refused up front with the figure; and the rough edges.
+"""
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddcl_vq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ddcl_vq.train.cli import main as train_main
+from ddcl_vq.train.config import Config, ConfigError, load_config
+from ddcl_vq.train.data import DataUnavailable, UnreadableImage, build_dataset, fashion_mnist_arrays
+from ddcl_vq.train.loop import train
+from ddcl_vq.train.memory import NotEnoughMemory, estimate
+from ddcl_vq.train.rundir import RunDirError
+from ddcl_vq.train.yamlfile import MAX_VALUES
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=32", "data.batch_size=16", "train.eval_images=16", "train.log_every=1",
+        "train.image_every=1000", "train.usage_window=5"]
+
+
+def one_error_line(capsys, prog="train"):
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    errors = [line for line in err if line.startswith(f"ddcl-vq {prog}: error: ")]
+    assert len(errors) == 1 and len(err) == 1, err
+    return errors[0]
+
+
+def snapshot(run: Path):
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def records(run: Path):
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_weights(a: Path, b: Path) -> None:
+    sa, sb = load_checkpoint(a), load_checkpoint(b)
+    assert sa["step"] == sb["step"]
+    assert sa["model"].keys() == sb["model"].keys()
+    for key, value in sa["model"].items():
+        assert torch.equal(value, sb["model"][key]), key  # bit for bit
+
+
+# --------------------------------------------------------------------------- 1. copied / moved runs
+
+def test_copied_and_moved_runs_train_their_own_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    base = ["--quiet", *TINY, "train.checkpoint_every=2"]
+    p1 = tmp_path / "p1"
+    assert train_main(["--config", "configs/fashion_ddcl.yaml", *base, "train.steps=2", f"run.dir={p1}"]) == 0
+    before = snapshot(p1)
+    copy = tmp_path / "p1copy"
+    subprocess.run(["cp", "-a", str(p1), str(copy)], check=True)
+    capsys.readouterr()
+    assert train_main(["--config", str(copy / "config.yaml"), "--quiet", "train.steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert f"says run.dir '{p1}'" in err and f"training '{copy}'" in err  # the note says which folder
+    assert snapshot(p1) == before  # the original is untouched
+    assert load_checkpoint(copy / "checkpoints" / "last.pt")["step"] == 4
+    assert [r["step"] for r in records(copy)] == [1, 2, 3, 4]
+    assert load_config(copy / "config.yaml").run.dir == str(copy)  # the copy now names itself
+
+    moved = tmp_path / "p2moved"
+    subprocess.run(["mv", str(p1), str(moved)], check=True)
+    assert train_main(["--config", str(moved / "config.yaml"), "--quiet", "train.steps=4"]) == 0
+    assert not p1.exists()  # no new run started in the old place
+    assert load_checkpoint(moved / "checkpoints" / "last.pt")["step"] == 4
+    assert [r["step"] for r in records(moved)] == [1, 2, 3, 4]
+    # the config's folder agrees with its run.dir: nothing to say; an explicit run.dir= still wins
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert train_main(["--config", str(moved / "config.yaml"), "--quiet", "train.steps=2", f"run.dir={other}"]) == 0
+    assert "says run.dir" not in capsys.readouterr().err
+    assert load_checkpoint(other / "checkpoints" / "last.pt")["step"] == 2
+
+
+# --------------------------------------------------------------------------- 2. resume = straight run
+
+#: revival fires within the first steps (a code below half its share of the batch is re-seeded)
+REVIVING = [*TINY, "quantizer.revive_threshold=0.5", "quantizer.warmup_steps=0", "train.steps=16",
+            "train.checkpoint_every=4"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", REVIVING + [f"run.dir={run}"]), quiet=True)
+    return run
+
+
+def test_resume_across_a_revival_is_bit_identical(straight_run, tmp_path):
+    revived = [r["revived"] for r in records(straight_run)]
+    first = next(i + 1 for i, n in enumerate(revived) if n > 0)  # the step of the first revival
+    assert 2 <= first <= 8 and revived[-1] > revived[first - 1]  # revivals before and after the stops
+    for stop in (first - 1, first + 2):  # killed before the first revival, and after one
+        run = tmp_path / f"stop{stop}"
+        cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", REVIVING + [f"run.dir={run}"])
+        train(cfg, quiet=True, stop_after=stop)
+        assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == stop
+        train(cfg, quiet=True)
+        same_weights(straight_run / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+        strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time", "wall")} for r in rs]  # noqa: E731
+        assert strip(records(run)) == strip(records(straight_run)), stop
+
+
+KILLER = """
+import os, signal, sys
+from ddcl_vq.train import loop
+from ddcl_vq.train.cli import main
+after_step = loop.RunLog.after_step
+def kill_after(self, step, *args, **kwargs):
+    after_step(self, step, *args, **kwargs)
+    if step == {target}:  # its metrics line is written; its checkpoint (if one is due) is not
+        os.kill(os.getpid(), signal.SIGKILL)
+loop.RunLog.after_step = kill_after
+sys.exit(main({argv!r}))
+"""
+
+
+def test_kill_9_between_checkpoints_resumes_as_the_straight_run_and_logs_each_step_once(straight_run, tmp_path):
+    """A real kill -9 (SIGKILL, sent by the training process to itself at a chosen step) after a
+    revival and between two checkpoints: the killed session logged steps past its last checkpoint;
+    the resumed run logs them again, once, with the straight run's values and ends with its weights."""
+    run = tmp_path / "killed"
+    first = next(i + 1 for i, r in enumerate(records(straight_run)) if r["revived"] > 0)
+    target = (first // 4 + 1) * 4 + 2  # two steps past the first checkpoint after the first revival
+    argv = ["--quiet", "--config", "configs/fashion_ddcl.yaml", *REVIVING, f"run.dir={run}"]
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(target=target, argv=argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    saved = load_checkpoint(run / "checkpoints" / "last.pt")["step"]
+    assert first < saved == target - 2
+    assert [r["step"] for r in records(run)] == list(range(1, target + 1))  # logged past the checkpoint
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", REVIVING + [f"run.dir={run}"]), quiet=True)
+    same_weights(straight_run / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time", "wall")} for r in rs]  # noqa: E731
+    assert strip(records(run)) == strip(records(straight_run))  # each step once, the straight run's values
+
+
+# --------------------------------------------------------------------------- 3. 16-bit images
+
+def gradient_folder(root: Path, n=(16, 4)) -> Path:
+    """Class folders of 16-bit grey PNGs: a horizontal gradient 0..65535, mean 0.5."""
+    from PIL import Image
+    ramp = np.tile(np.linspace(0, 65535, 24).round().astype(np.uint16), (24, 1))
+    for split, count in zip(("train", "test"), n):
+        (root / split / "ramps").mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.fromarray(ramp).save(root / split / "ramps" / f"{i}.png")
+    return root
+
+
+def test_16_bit_images_keep_their_scale(tmp_path, capsys):
+    from PIL import Image
+    root = gradient_folder(tmp_path / "img")
+    assert Image.open(root / "train" / "ramps" / "0.png").mode == "I;16"
+    cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", ["data.name=image_folder", f"data.root={root}",
+                                                           "data.image_size=16"])
+    x = torch.stack([build_dataset(cfg.data, "train")[i][0] for i in range(4)])
+    assert x.shape == (4, 3, 16, 16)
+    assert abs(float(x.mean()) - 0.5) < 0.01 and float((x > 0.99).float().mean()) < 0.1  # not white
+    assert float(x.min()) < 0.05 and float(x.max()) > 0.95
+    # 8-bit images load as before: the same tensor as 8-bit RGB / 255
+    Image.fromarray((np.arange(24 * 24 * 3) % 256).astype(np.uint8).reshape(24, 24, 3)).save(
+        root / "train" / "ramps" / "rgb8.png")
+    args = ["--config", "configs/fashion_ddcl.yaml", "--check-data", "data.name=image_folder", f"data.root={root}",
+            "data.image_size=16"]
+    assert train_main(args) == 0
+    assert "every image can be read" in capsys.readouterr().out
+    # images whose scale would be a guess: named by --check-data (and by training)
+    Image.fromarray(np.full((24, 24), 1000.0, np.float32)).save(root / "train" / "ramps" / "float.tiff")
+    Image.fromarray(np.full((24, 24), 70000, np.int32)).save(root / "test" / "ramps" / "int32.tiff")
+    assert train_main(args) == 2
+    out = capsys.readouterr()
+    assert f"unreadable: {root / 'train' / 'ramps' / 'float.tiff'} (UnfaithfulImage: floating-point" in out.out
+    assert f"unreadable: {root / 'test' / 'ramps' / 'int32.tiff'} (UnfaithfulImage: 32-bit integer" in out.out
+    assert "2 image(s) cannot be read" in out.err
+
+
+# --------------------------------------------------------------------------- 4. empty run.dir
+
+def test_empty_run_dir_is_refused(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text("# my own notes\ntrain: {steps: 2}\n")
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for empty in ("run.dir=", "run.dir=''", 'run.dir="  "'):
+        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), "--quiet", *TINY, empty]) == 2
+        assert "run.dir is empty" in one_error_line(capsys)
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    with pytest.raises(RunDirError, match="run.dir is empty"):
+        train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["run.dir="]), quiet=True)
+
+
+# --------------------------------------------------------------------------- 6. bounded YAML
+
+def alias_bomb(levels=9, width=9) -> str:
+    lines = ["anchors:", "  a0: &a0 [" + ",".join(['"lol"'] * width) + "]"]
+    lines += [f"  a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nrun:\n  name: *a{levels}\n"
+
+
+def test_yaml_alias_bomb_deep_nesting_and_huge_files_are_one_line(tmp_path, capsys):
+    files = {"bomb.yaml": (alias_bomb(), f"expands to more than {MAX_VALUES:,} values"),
+             "deep.yaml": ("run:\n  name: " + "[" * 50000 + "]" * 50000 + "\n", "levels deep"),
+             "loop.yaml": ("run:\n  name: &a [1, *a]\n", "recursive alias"),
+             "huge.yaml": ("# " + "x" * (2 << 20) + "\n", "more than the 1,048,576")}
+    for name, (text, message) in files.items():
+        (tmp_path / name).write_text(text)
+        start = time.time()
+        assert train_main(["--config", str(tmp_path / name)]) == 2
+        line = one_error_line(capsys)
+        assert message in line and "lol" not in line and len(line) < 400, line
+        assert time.time() - start < 10, name
+    start = time.time()
+    bomb = "[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], " \
+           "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d], [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]]"
+    assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), f"run.name={bomb}"]) == 2
+    assert "override 'run.name' expands to more than" in one_error_line(capsys)
+    assert time.time() - start < 10
+    # an alias that expands to little is fine
+    (tmp_path / "ok.yaml").write_text("base: &b {steps: 3, lr: 1.0e-3}\ntrain: *b\n")
+    with pytest.raises(ConfigError, match="unknown config key 'base'"):
+        load_config(tmp_path / "ok.yaml")
+
+
+# --------------------------------------------------------------------------- 7. full disk
+
+def test_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_survives(tmp_path):
+    run = tmp_path / "run"
+    cfg_args = [*TINY, "train.checkpoint_every=2", f"run.dir={run}"]
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", cfg_args + ["train.steps=2"]), quiet=True)
+    last = run / "checkpoints" / "last.pt"
+    good = last.read_bytes()
+    limit = len(good) // 2  # the kernel refuses to grow any file past this: EFBIG, as a full disk's ENOSPC
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", str(run / "config.yaml"),
+                          "train.steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         preexec_fn=small_files)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.strip().splitlines() if not line.startswith("note: train.steps 2 -> 4")]
+    assert len(lines) == 1 and lines[0].startswith("ddcl-vq train: error: could not write checkpoint "), lines
+    assert "File too large (EFBIG)" in lines[0] and "the previous checkpoint is intact" in lines[0]
+    assert last.read_bytes() == good and load_checkpoint(last)["step"] == 2
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary file left
+    # with room again, the same command resumes
+    out = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", str(run / "config.yaml"),
+                          "train.steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert load_checkpoint(last)["step"] == 4 and [r["step"] for r in records(run)] == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------- 10. memory
+
+@pytest.mark.parametrize("config,num_codes", [("fashion_ddcl", 1_000_000_000), ("fashion_hard", 1_000_000_000),
+                                              ("fashion_hard", 5_000_000), ("fashion_ema", 5_000_000)])
+def test_a_configuration_the_machine_cannot_hold_is_refused_with_the_figure(config, num_codes, tmp_path, capsys):
+    run = tmp_path / "run"
+    start = time.time()
+    assert train_main(["--config", f"configs/{config}.yaml", "--quiet", f"quantizer.num_codes={num_codes}",
+                       f"run.dir={run}"]) == 2
+    line = one_error_line(capsys)
+    assert "this configuration needs at least" in line and "GiB of memory" in line and "available" in line, line
+    assert f"quantizer.num_codes={num_codes:,}" in line
+    assert time.time() - start < 20
+    assert not run.exists()  # refused before anything was written
+
+
+def test_memory_estimate_counts_the_real_model(tmp_path):
+    from ddcl_vq.train.builders import build_model
+    cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.codebook_update=gradient"])
+    model = build_model(cfg, 1)
+    state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    need = estimate(cfg, 1, torch.device("cpu"))
+    assert need.state == state and need.training == 3 * trainable and need.step > 0
+
+
+# --------------------------------------------------------------------------- rough edges
+
+def test_learning_rates_in_exponent_notation_are_floats(tmp_path):
+    for text, value in (("1e-3", 1e-3), ("1e+9", 1e9), ("2E-4", 2e-4), ("1.5e-3", 1.5e-3)):
+        assert load_config(ROOT / "configs/fashion_ddcl.yaml", [f"train.lr={text}"]).train.lr == value
+    (tmp_path / "c.yaml").write_text("train:\n  lr: 1e-3\n  codebook_lr_ratio: 3e+0\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.train.lr == 1e-3 and cfg.train.codebook_lr_ratio == 3.0
+    with pytest.raises(ConfigError, match=r"'train.steps': expected int, got '1e3'"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["train.steps=1e3"])
+    with pytest.raises(ConfigError, match=r"'train.lr': expected float, got 'e-3'"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["train.lr=e-3"])
+
+
+def test_malicious_pickle_checkpoint_is_named_and_never_loaded(tmp_path, capsys):
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = tmp_path / "checkpoints"
+    save_checkpoint({"model": {"w": torch.ones(2)}, "step": 3}, ckpt / "step_0000003.pt")
+    torch.save({"model": Payload(), "step": 5}, ckpt / "last.pt")
+    state, path = latest_checkpoint(ckpt)
+    assert path.name == "step_0000003.pt" and state["step"] == 3
+    err = capsys.readouterr().err
+    assert "last.pt' is not a plain checkpoint of tensors" in err and "may be malicious" in err
+    assert "nothing in it ran" in err and "posix.system" in err
+    assert "weights_only" not in err and "truncated or corrupted" not in err
+    assert not marker.exists()
+
+
+def test_failed_runs_leave_no_empty_run_directory(tmp_path, capsys):
+    missing = tmp_path / "no-images"
+    for i, extra in enumerate((["data.name=image_folder", f"data.root={missing}"],  # fails before the model
+                               ["train.amp=fp16", "train.device=cpu"])):            # fails after config.yaml
+        run = tmp_path / f"new{i}" / "deeper" / "run"
+        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), "--quiet", *TINY, "train.steps=2",
+                           f"run.dir={run}", *extra]) == 2
+        one_error_line(capsys)
+        assert not (tmp_path / f"new{i}").exists()
+    # a folder that was there before is left as it was
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), "--quiet", *TINY,
+                       f"run.dir={kept}", "train.amp=fp16", "train.device=cpu"]) == 2
+    assert kept.is_dir()
+
+
+def test_unknown_key_suggests_only_a_close_key(capsys):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["model.foo=1"])
+    assert "did you mean" not in str(err.value) and "the keys of 'model' are channels" in str(err.value)
+    with pytest.raises(ConfigError, match=r"did you mean 'model.channels'\?"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["model.chanels=1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'quantizer.temperature'\?"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["quantizer.temprature=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stesp'; did you mean 'train.steps'\?"):
+        Config.from_dict({"train": {"stesp": 3}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'foo'; no key is close; the sections are data, .*model, quantizer, run, train"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["foo=1"])
+
+
+def test_download_false_does_not_say_it_tried_to_download(tmp_path, monkeypatch):
+    from ddcl_vq.train import data as data_module
+    monkeypatch.setattr(data_module, "DEBIAN_FASHION_DIR", tmp_path / "nothing")
+    monkeypatch.delenv("DDCL_VQ_FASHION_DIR", raising=False)
+    with pytest.raises(DataUnavailable) as err:
+        fashion_mnist_arrays("test", root=tmp_path / "data", download=False)
+    assert "download" in str(err.value) and "data.download=true" in str(err.value)
+    assert "failed" not in str(err.value) and "could not download" not in str(err.value)
+    cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", ["data.name=mnist", f"data.root={tmp_path}",
+                                                           "data.download=false"])
+    with pytest.raises(DataUnavailable) as err:
+        build_dataset(cfg.data, "test")
+    assert "could not download" not in str(err.value) and "data.download=true" in str(err.value)
+
+
+def test_image_size_hint_is_two_different_sizes_or_fewer_downsamples():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["model.num_downsamples=9"])
+    assert "512 or 512" not in str(err.value) and "model.num_downsamples=5 or fewer" in str(err.value)
+    with pytest.raises(ConfigError, match=r"got 30; e\.g\. 28 or 32"):
+        load_config(ROOT / "configs/fashion_ddcl.yaml", ["data.image_size=30"])
+
+
+def test_codebook_lr_only_for_a_codebook_with_a_learning_rate_and_revived_is_cumulative(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    mstep = tmp_path / "mstep"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", REVIVING + ["train.steps=8", f"run.dir={mstep}"]),
+          quiet=True)
+    rs = records(mstep)
+    assert all("codebook_lr" not in r for r in rs)
+    total = 0.0
+    for r in rs:  # revived: codes re-seeded since the run began; revived_new: since the previous line
+        total += r["revived_new"]
+        assert r["revived"] == total and r["revived_new"] >= 0
+    assert total > 0
+    tags = EventAccumulator(str(mstep / "tb")).Reload().Tags()["scalars"]
+    assert "revived_total" in tags and "revived_new" in tags and "revived" not in tags and "codebook_lr" not in tags
+    gradient = tmp_path / "gradient"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "quantizer.codebook_update=gradient",
+                                                                   f"run.dir={gradient}"]), quiet=True)
+    assert all(r["codebook_lr"] == pytest.approx(r["lr"] * 3.0) for r in records(gradient))
