@@ -278,3 +278,53 @@ def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
                              "train.steps=1", "train.eval_images=8", f"run.dir={run}"]), quiet=True)
     with pytest.raises(ExportError, match="VQGAN run"):
         export_diffusers(run, tmp_path / "hf")
+
+
+def test_image_folder_crop_flip_is_seeded_by_epoch_and_index(tmp_path):
+    """data.augment=crop_flip: train images are random-resized crops + flips drawn from (seed, epoch, index)
+    — the same with or without workers and after a resume; other epochs other crops; test: centre crop."""
+    import numpy as np
+    import skimage.data
+    from PIL import Image
+
+    from ddcl_vq.train.data import EpochBatches, build_dataset, make_loader
+
+    for split, names in (("train", ("astronaut", "coffee", "rocket", "chelsea")), ("test", ("chelsea",))):
+        (tmp_path / split / "photos").mkdir(parents=True)
+        for name in names:
+            img = np.asarray(getattr(skimage.data, name)())[::4, ::4, :3]
+            Image.fromarray(np.ascontiguousarray(img)).save(tmp_path / split / "photos" / f"{name}.png")
+    cfg = load_config(None, ["data.name=image_folder", f"data.root={tmp_path}", "data.image_size=32",
+                             "data.augment=crop_flip", "data.batch_size=2"])
+    train_set, test_set = build_dataset(cfg.data, "train", 0), build_dataset(cfg.data, "test", 0)
+    assert train_set[(0, 1)][0].shape == (3, 32, 32)
+    assert torch.equal(train_set[(0, 1)][0], train_set[(0, 1)][0])
+    assert not torch.equal(train_set[(0, 1)][0], train_set[(1, 1)][0])
+    assert torch.equal(test_set[0][0], test_set[0][0])
+
+    def batches(start, n, workers):
+        loader = make_loader(train_set, EpochBatches(len(train_set), 2, 0, start_step=start), workers)
+        out = []
+        for images, _ in loader:
+            out.append(images)
+            if len(out) == n:
+                return out
+
+    straight = batches(0, 6, 0)  # three epochs of two batches
+    assert all(torch.equal(a, b) for a, b in zip(straight[3:], batches(3, 3, 0)))  # resumed at step 3
+    assert all(torch.equal(a, b) for a, b in zip(straight, batches(0, 6, 1)))      # one worker
+    with pytest.raises(ConfigError, match="augment"):
+        load_config(None, ["data.augment=crop_flip"])
+
+
+def test_recipe_trains_under_bf16_autocast(tmp_path):
+    from ddcl_vq.train.loop import train
+
+    cfg = load_config(None, TINY + RECIPE + ["train.steps=2", "train.amp=bf16", "loss.disc_start=0",
+                                             f"run.dir={tmp_path / 'bf16'}"])
+    summary = train(cfg, quiet=True)
+    lines = [json.loads(s) for s in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["step"] == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["loss_d"]) for r in lines)
+    with pytest.raises(ConfigError, match="fp16"):
+        from ddcl_vq.train.losses import GANStep
+        GANStep.from_config(load_config(None, TINY + RECIPE + ["train.amp=fp16"]), build_model(cfg, 3), 3, "cpu")
