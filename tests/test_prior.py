@@ -116,6 +116,22 @@ def test_kv_cache_sampling_equals_sampling_without_cache(temperature, top_k):
     assert model.training  # the model's mode is restored
 
 
+def test_unconditional_prior_and_bad_input():
+    model = _tiny(num_classes=0, k=5)
+    codes = model.sample(4)
+    assert codes.shape == (4, 3, 4) and int(codes.max()) < 5
+    assert model(codes).shape == (4, 12, 5)
+    conditional = _tiny(num_classes=3, k=5)
+    with pytest.raises(ValueError, match="expected labels"):
+        conditional(codes)
+    with pytest.raises(ValueError, match=r"expected labels in \[0, 3\)"):
+        conditional(codes, torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match=r"expected codes in \[0, 5\)"):
+        model.loss(torch.full((2, 3, 4), 5))
+    with pytest.raises(ValueError, match=r"expected code maps of shape \(B, 3, 4\)"):
+        model(torch.zeros(2, 4, 3, dtype=torch.long))
+
+
 def test_bits_per_token_of_a_uniform_prior_is_log2_k(tokenized):
     tokens = load_tokens(tokenized["test"], 32)
     model = CodePrior(32, 8, 8, 10, dim=16, layers=1, heads=2)

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from .classifier import ClassifierUnavailable, features, frechet_distance, get_classifier, predict, real_images
@@ -106,14 +105,16 @@ def format_eval(result: Dict) -> str:
     lines = []
     n = result.get("nll")
     if n:
-        lines.append(f"test NLL ({n['num_images']} maps of {Path(n['file']).name}): {n['bits_per_token']:.4f} bits/token, "
-                     f"{n['bits_per_image']:.1f} bits/image (uniform: {result['uniform_bits_per_token']:.3f} bits/token)")
+        lines.append(f"test NLL ({n['num_images']} maps of {Path(n['file']).name}): {n['bits_per_token']:.4f} "
+                     f"bits/token, {n['bits_per_image']:.1f} bits/image (uniform: "
+                     f"{result['uniform_bits_per_token']:.3f} bits/token)")
     s = result["samples"]
     lines.append(f"{s['count']} samples (temperature {s['temperature']}, top-k {s['top_k'] or 'off'}): "
                  f"{s['seconds']:.1f} s, {s['tokens_per_second']:.0f} tokens/s, {s['codes_used']} codes used")
     fd = result.get("frechet")
     if fd:
-        lines.append(f"Fréchet distance in classifier features (NOT Inception FID): samples {fd['samples_vs_real']:.3f}"
+        lines.append("Fréchet distance in classifier features (NOT Inception FID): samples "
+                     f"{fd['samples_vs_real']:.3f}"
                      + (f", tokenizer reconstructions {fd['reconstructions_vs_real']:.3f}"
                         if "reconstructions_vs_real" in fd else "")
                      + f" (vs {fd['num_real']} real test images)")
