@@ -79,7 +79,11 @@ class FSQQuantizer(Quantizer):
         self.fsq_kwargs = dict(fsq_kwargs)
         if self.fsq_kwargs.get("num_codebooks", 1) != 1:
             raise ValueError(f"expected num_codebooks 1 (one index per vector), got {self.fsq_kwargs['num_codebooks']!r}")
-        self.fsq = FSQ(levels=levels, dim=dim, **fsq_kwargs)
+        if torch.empty(0).device.type == "meta":  # built for shapes only (a memory estimate): FSQ's
+            with torch.device("cpu"):             # constructor reads values (.item()), so build it on
+                self.fsq = FSQ(levels=levels, dim=dim, **fsq_kwargs).to("meta")  # the CPU, then move it
+        else:
+            self.fsq = FSQ(levels=levels, dim=dim, **fsq_kwargs)
 
     @property
     def codebook(self) -> Tensor:

@@ -24,33 +24,48 @@ def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -
 
     A setting the quantizer refuses (its ValueError, or a keyword ``quantizer.vqp`` passes that
     VectorQuantize does not take) is a ConfigError naming the setting."""
-    if q.type == "vqp":
-        check_vqp_kwargs(q.vqp)
+    if q.type in PEER_SECTIONS:
+        check_peer_kwargs(q.type, getattr(q, q.type))
     # the peer checks its keyword arguments with TypeError/assert; ours say ValueError
-    refused = (ValueError, TypeError, AssertionError) if q.type == "vqp" else (ValueError,)
+    refused = (ValueError, TypeError, AssertionError) if q.type in PEER_TYPES else (ValueError,)
     try:
         return build_quantizer_from_config(q.type, quantizer_kwargs(q, dim, steps))
     except refused as err:
-        what = "quantizer.vqp (passed to vector_quantize_pytorch.VectorQuantize)" if q.type == "vqp" else "quantizer.*"
+        what = (f"quantizer.{q.type} (passed to vector_quantize_pytorch.{PEER_SECTIONS[q.type][0]})"
+                if q.type in PEER_SECTIONS else "quantizer.*")
         raise ConfigError(f"config keys {what}: the {q.type} quantizer refuses these settings: "
                           f"{one_line(err) or type(err).__name__}") from None
 
 
-def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
-    """Every key of ``quantizer.vqp`` is a keyword argument of VectorQuantize (checked when it is installed)."""
+#: quantizer types that wrap vector-quantize-pytorch (its checks raise TypeError/AssertionError too)
+PEER_TYPES = ("vqp", "fsq", "simvq", "lfq")
+#: quantizer.<type> sections passed to a vector-quantize-pytorch class as keyword arguments:
+#: type -> (the class, keyword arguments our wrapper adds)
+PEER_SECTIONS = {"vqp": ("VectorQuantize", ()), "simvq": ("SimVQ", ("codebook_bias",)), "lfq": ("LFQ", ())}
+
+
+def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
+    """Every key of ``quantizer.<qtype>`` (vqp, simvq, lfq) is a keyword argument of the
+    vector-quantize-pytorch class it is passed to (checked when the package is installed)."""
+    name, ours = PEER_SECTIONS[qtype]
     try:
-        from vector_quantize_pytorch import VectorQuantize
+        import vector_quantize_pytorch
     except ImportError:
-        return  # VQPQuantizer says how to install it
-    params = inspect.signature(VectorQuantize.__init__).parameters
+        return  # the quantizer says how to install it
+    params = inspect.signature(getattr(vector_quantize_pytorch, name).__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    valid = [name for name in params if name not in ("self", "dim", "codebook_size")]
+    valid = [p for p in params if p not in ("self", "dim", "codebook_size", "channel_first")] + list(ours)
     for key in kwargs:
         if key not in valid:
-            raise ConfigError(f"unknown config key 'quantizer.vqp.{key}' (not a keyword argument of "
-                              f"vector_quantize_pytorch.VectorQuantize); did you mean "
-                              f"'quantizer.vqp.{nearest(key, valid)}'?")
+            raise ConfigError(f"unknown config key 'quantizer.{qtype}.{key}' (not a keyword argument of "
+                              f"vector_quantize_pytorch.{name}); did you mean "
+                              f"'quantizer.{qtype}.{nearest(key, valid)}'?")
+
+
+def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
+    """Every key of ``quantizer.vqp`` is a keyword argument of VectorQuantize (checked when it is installed)."""
+    check_peer_kwargs("vqp", kwargs)
 
 
 def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
@@ -72,6 +87,10 @@ def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) 
         kwargs["schedule_steps"] = steps
     if q.type == "vqp":
         kwargs.update(copy.deepcopy(q.vqp))
+    if q.type == "fsq" and q.fsq_levels is not None:
+        kwargs["levels"] = list(q.fsq_levels)
+    if q.type in ("simvq", "lfq"):
+        kwargs.update(copy.deepcopy(getattr(q, q.type)))
     return kwargs
 
 

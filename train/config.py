@@ -111,6 +111,11 @@ def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
     for name in PER_QUANTIZER_DEFAULT:
         fields[name] = (name, Optional[float], field(default=None))
     fields["vqp"] = ("vqp", Dict[str, Any], field(default_factory=dict))
+    # the newer peers (ddcl_vq.fsq, .simvq, .lfq wrap vector-quantize-pytorch): fsq's grid (None: the FSQ
+    # paper's levels for num_codes), simvq's and lfq's keyword arguments passed as they are, like vqp
+    fields["fsq_levels"] = ("fsq_levels", Optional[List[int]], field(default=None))
+    fields["simvq"] = ("simvq", Dict[str, Any], field(default_factory=dict))
+    fields["lfq"] = ("lfq", Dict[str, Any], field(default_factory=dict))
     return list(fields.values())
 
 
@@ -264,9 +269,10 @@ def validate(cfg: Config) -> None:
     if cfg.quantizer.temperature_schedule != "constant" and (tf is None or not tf > 0):
         raise ConfigError("config key 'quantizer.temperature_final': expected a value > 0 when "
                           f"quantizer.temperature_schedule is {cfg.quantizer.temperature_schedule!r}, got {tf!r}")
-    if cfg.quantizer.type != "vqp" and cfg.quantizer.vqp:
-        raise ConfigError(f"config key 'quantizer.vqp': only used with quantizer.type 'vqp', got type "
-                          f"{cfg.quantizer.type!r}")
+    for key, qtype in (("vqp", "vqp"), ("simvq", "simvq"), ("lfq", "lfq"), ("fsq_levels", "fsq")):
+        if cfg.quantizer.type != qtype and getattr(cfg.quantizer, key):
+            raise ConfigError(f"config key 'quantizer.{key}': only used with quantizer.type {qtype!r}, got type "
+                              f"{cfg.quantizer.type!r}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -286,7 +292,7 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
     for text in overrides:
         key, value = parse_override(text)
         parts = key.split(".")
-        is_vqp_kwarg = len(parts) == 3 and parts[:2] == ["quantizer", "vqp"]
+        is_vqp_kwarg = len(parts) == 3 and parts[0] == "quantizer" and parts[1] in ("vqp", "simvq", "lfq")
         if key not in valid and not is_vqp_kwarg:
             raise _unknown_key(key)
         node = raw

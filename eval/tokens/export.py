@@ -99,8 +99,9 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
               "```", "",
               "Files: `config.json` (constructor arguments; `quantizer_state` is informative, the state itself "
               "is in the weights), `model.safetensors` (weights and quantizer buffers, no pickle)."]
-    if qtype == "vqp":
-        lines += ["", "This model's quantizer is vector-quantize-pytorch's `VectorQuantize`: loading it needs "
+    peer = {"vqp": "VectorQuantize", "fsq": "FSQ", "simvq": "SimVQ", "lfq": "LFQ"}.get(qtype)
+    if peer:
+        lines += ["", f"This model's quantizer is vector-quantize-pytorch's `{peer}`: loading it needs "
                       "`pip install vector-quantize-pytorch`."]
     return "\n".join(lines) + "\n"
 
@@ -175,8 +176,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
         print(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: from_pretrained "
               f"reproduces the hard reconstructions and indices of {done['checked_images']} images bit for bit")
-        if done["quantizer_type"] == "vqp":
-            print("note: a vqp model needs vector-quantize-pytorch installed where it is loaded")
+        if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
+            print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is loaded")
         print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")
     if opts.push_to_hub:
         url = push(opts.out_dir, opts.push_to_hub, opts.private)
