@@ -63,7 +63,8 @@ class TrainOptions:
                             metavar="RUN_OR_EXPORT")
     tokens: str = option(help="training token file (.npy or .safetensors)", metavar="FILE")
     test: List[str] = option(default_factory=list, help="held-out token file(s), comma-separated: NLL while "
-                             "training and in evaluate", sep=",", metavar="FILE[,FILE...]")
+                             "training and in evaluate", sep=",", metavar="FILE[,FILE...]",
+                             default_text="none")
     config: Optional[str] = option(None, "prior YAML config (configs/prior_fashion.yaml)")
     overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
                                   metavar="key=value")
