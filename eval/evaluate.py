@@ -31,9 +31,13 @@ HELP = """\
 Evaluate a run directory written by `ddcl-vq train` on a dataset split and write
 RUN_DIR/eval.json (reconstruction on hard codes, and soft codes for DDCL; SSIM, LPIPS;
 dataset-level codebook usage and geometry). Dotted overrides change the run's config for
-the evaluation only (e.g. data.root=/path, train.device=cpu).
+the evaluation only (e.g. data.root=/path, train.device=cpu). Overrides that change which
+images are evaluated (data.name, natural_patches' photographs) measure the model on data it
+was not trained on and write RUN_DIR/eval_<dataset>.json (e.g. eval_digits.json), leaving the
+run's own eval.json as it is.
 
   ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
+  ddcl-vq evaluate runs/fashion_ddcl data.name=digits     # -> runs/fashion_ddcl/eval_digits.json
   torchrun --nproc_per_node 2 -m ddcl_vq.eval evaluate runs/fashion_ddcl
 """
 
@@ -95,6 +99,27 @@ def check_overrides(run_dir: Path, trained, asked) -> None:
         raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
                             f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
                             "quantizer.implementation; to measure other settings, train a run with them")
+
+
+def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str = "test") -> Optional[str]:
+    """None when ``overrides`` evaluate the run's own data; else a name for the other data
+    (``digits``; ``natural_patches_camera_moon`` for other photographs): the evaluation then goes to
+    RUN_DIR/eval_<name>.json, not eval.json. None too when the run has no readable config
+    (load_run says why)."""
+    from ddcl_vq.train.config import ConfigError, load_config
+
+    config = Path(run_dir) / "config.yaml"
+    if not overrides or not config.is_file():
+        return None
+    try:
+        trained, asked = load_config(config, migrate=True), load_config(config, overrides, migrate=True)
+    except ConfigError:
+        return None
+    key = "train_photos" if split == "train" else "test_photos"
+    photos = getattr(asked.data, key) if asked.data.name == "natural_patches" else None
+    if asked.data.name == trained.data.name and (photos is None or photos == getattr(trained.data, key)):
+        return None
+    return "_".join([asked.data.name] + list(photos or []))
 
 
 def file_digest(path: str | Path) -> str:
@@ -164,6 +189,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "checkpoint_sha256": digest,  # what freshness is judged by (with step, split, images, overrides)
         "made_by": made_by,
         "dataset": cfg.data.name,
+        **({"photos": list(cfg.data.train_photos if split == "train" else cfg.data.test_photos)}
+           if cfg.data.name == "natural_patches" else {}),
+        "trained_on": load_run_dataset(run_dir),  # differs from dataset for a held-out evaluation
         "split": split,
         "num_images": result["num_images"],
         "max_images": max_images,
@@ -187,15 +215,23 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "definitions": definitions(),
     }
     if write and rank() == 0:
-        write_eval(run_dir, out)
+        tag = heldout_tag(run_dir, overrides, split)
+        write_eval(run_dir, out, None if tag is None else eval_path(run_dir, tag=tag))
     return out
 
 
-def eval_path(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
-    """Where an evaluation goes: RUN_DIR/eval.json, or ``out`` (a .json file, or a folder to write
-    eval.json into) for a run directory that cannot or should not be written (an archived run)."""
+def load_run_dataset(run_dir: str | Path) -> str:
+    """The data.name the run was trained on (its config.yaml without overrides)."""
+    from ddcl_vq.train.config import load_config
+    return load_config(Path(run_dir) / "config.yaml", migrate=True).data.name
+
+
+def eval_path(run_dir: str | Path, out: Optional[str | Path] = None, tag: Optional[str] = None) -> Path:
+    """Where an evaluation goes: RUN_DIR/eval.json (RUN_DIR/eval_<tag>.json for other data than the
+    run's own, see :func:`heldout_tag`), or ``out`` (a .json file, or a folder to write eval.json
+    into) for a run directory that cannot or should not be written (an archived run)."""
     if out is None:
-        return Path(run_dir) / "eval.json"
+        return Path(run_dir) / ("eval.json" if tag is None else f"eval_{tag}.json")
     out = Path(out)
     return out / "eval.json" if out.is_dir() or out.suffix.lower() != ".json" else out
 
@@ -282,7 +318,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ddcl_vq.train.rundir import RunDirError, writable_dir
 
     cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
-    path = eval_path(opts.run_dir, opts.out)
+    path = eval_path(opts.run_dir, opts.out, heldout_tag(opts.run_dir, opts.overrides, opts.split))
     if rank() == 0 and Path(opts.run_dir).is_dir():
         try:  # before the expensive pass
             writable_dir(path.parent, "run directory" if opts.out is None else "--out folder")

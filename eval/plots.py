@@ -101,12 +101,13 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
 
 @torch.no_grad()
 def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: Path, split: str = "test",
-                         num_images: int = 8) -> None:
+                         num_images: int = 8, overrides: Sequence[str] = ()) -> None:
+    """``overrides``: evaluate's dotted data overrides (images of another dataset, e.g. data.name=digits)."""
     from ddcl_vq.train.data import build_dataset
     plt = _plt()
     recons, originals = [], None
     for d in run_dirs:
-        cfg, model, _, _ = load_run(d, device="cpu")
+        cfg, model, _, _ = load_run(d, overrides, device="cpu")
         if originals is None:
             ds = build_dataset(cfg.data, split, cfg.run.seed)
             originals = torch.stack([ds[i][0] for i in range(min(num_images, len(ds)))])
@@ -130,12 +131,12 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
 
 
 def write_plots(out: Path, run_dirs: Sequence[Path], names: Sequence[str], evals: Sequence[Dict],
-                rows: Sequence[Dict], split: str = "test", grid_images: int = 8) -> None:
+                rows: Sequence[Dict], split: str = "test", grid_images: int = 8, overrides: Sequence[str] = ()) -> None:
     """The four plots; ``rows`` feed psnr_vs_utilization.png (one point per row, error bars
     where a row has ``hard_psnr_sd`` / ``utilization_sd``), the runs feed the other three."""
     plot_usage_histograms(evals, names, out / "usage_histograms.png")
     plot_usage_over_training([read_metrics(d) for d in run_dirs], names, out / "usage_over_training.png")
     plot_psnr_vs_utilization(rows, out / "psnr_vs_utilization.png")
-    plot_reconstructions(run_dirs, names, out / "reconstructions.png", split, grid_images)
+    plot_reconstructions(run_dirs, names, out / "reconstructions.png", split, grid_images, overrides)
 
 

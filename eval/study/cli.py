@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ddcl_vq.train.errors import entry_point
+from ddcl_vq.train.hints import where
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.threads import set_threads, threads_option
 
 from . import config
 from .config import load_study
@@ -21,7 +23,9 @@ class StudyOptions:
     out: Optional[str] = option(None, "report directory", default_text="the study's 'out', or reports/<name>; "
                                                                         "'_quick' appended with --quick")
     report_only: bool = option(False, "train nothing: evaluate and report the arms whose training has finished")
-    threads: int = option(0, "torch intra-op threads (0 = torch's default; 1 is fastest on a loaded machine)")
+    threads: Optional[int] = threads_option("torch intra-op threads: of this process (training with --jobs 1, "
+                                            "evaluation), and of each training process with --jobs > 1 (there "
+                                            "default 1); an arm's train.threads wins")
     jobs: int = option(1, "arms trained at once, each in its own process; 1: in this process")
     verbose: bool = option(False, "show each arm's training progress (--jobs 1)")
     list_arms: bool = option(False, "print the arms and their status, then exit", flag="--list")
@@ -49,16 +53,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         for arm in study.arms:
             print(f"{arm.name:40s} {arm_status(arm):28s} {' '.join(arm.overrides)}")
         return 0
-    if opts.threads:
-        import torch
-        torch.set_num_threads(opts.threads)
-    result = run_study(study, train_arms=not opts.report_only, progress=True, verbose=opts.verbose,
-                       command=command, jobs=opts.jobs, threads=opts.threads)
+    set_threads(opts.threads)
+    from .parts import run_parts  # a study with parts (held-out data): one comparison per part
+
+    result = (run_parts if study.parts else run_study)(study, train_arms=not opts.report_only, progress=True,
+                                                       verbose=opts.verbose, command=command, jobs=opts.jobs,
+                                                       threads=opts.threads)
     from ddcl_vq.eval.compare import markdown_table
 
     from .aggregate import mean_sd_table
-    print(markdown_table(result["rows"]) if result["groups"] is None else mean_sd_table(result["groups"]))
-    print(f"\nreport: {study.out / 'report.md'}")
+    if study.parts:
+        print(result["summary"])
+    else:
+        print(markdown_table(result["rows"]) if result["groups"] is None else mean_sd_table(result["groups"]))
+    print(f"\nreport: {where(study.out / 'report.md')}")
     if result["failed"] or result["unfinished"]:
         print(f"not in the table: {', '.join(list(result['failed']) + result['unfinished'])}", file=sys.stderr)
         return 1

@@ -14,14 +14,22 @@ A study YAML:
         overrides: {quantizer.type: ddcl, quantizer.mode: straight_through}   # or ["key=value", ...]
         vs: hard                        # optional: the arm this one is measured against in report.md
     quick: ["train.steps=4", ...]       # optional: what --quick changes (default QUICK_OVERRIDES)
+    parts:                              # optional: every arm once per part, one comparison per part
+      - name: photos_a                  # run names <part>_<arm>...
+        description: train on astronaut and rocket, test on coffee
+        overrides: {data.train_photos: [astronaut, rocket], data.test_photos: [coffee]}
+      - name: fashion_to_digits
+        overrides: {data.name: fashion_mnist}
+        eval_overrides: {data.name: digits}   # also evaluated on this (data.* only): a table of its own
 
 The file is read into :class:`StudyFile` by the same typed-settings code as the training config
 (:mod:`ddcl_vq.train.settings`): an unknown key names the nearest valid one, a wrong type or value
 says what was expected. ``null`` means "not set".
 
-Each arm's config = base <- sweep values <- arm overrides <- --quick <- command-line overrides
-(<- run.seed with ``seeds``), with run.name = the arm's name and run.dir = OUT/runs/<arm>. Run names:
-the arm's name, a suffix per sweep value (``_k1024``), and with ``seeds`` a seed suffix (``_s0``).
+Each arm's config = base <- part overrides <- sweep values <- arm overrides <- --quick <- command-line
+overrides (<- run.seed with ``seeds``), with run.name = the arm's name and run.dir = OUT/runs/<arm>. Run
+names: with ``parts`` the part's name first (``photos_a_``), the arm's name, a suffix per sweep value
+(``_k1024``), and with ``seeds`` a seed suffix (``_s0``).
 Without ``seeds`` every arm runs once with the base's run.seed and the table has one row per arm;
 with ``seeds`` the table has one row per arm x sweep point, mean and sample sd over the seeds, and
 a per-seed table below it (``--seeds 0,1`` on the command line replaces the file's list). Every arm is validated before
@@ -29,6 +37,13 @@ anything trains (a ConfigError prefixed with the arm's name). Finished arms
 (checkpoint at train.steps) are skipped, interrupted ones resume from their checkpoints, so
 an interrupted study continues when the same command runs again. A run directory holding a
 different config is an error, never silently mixed into the table.
+
+With ``parts`` (held-out data: other photographs, another dataset), every part is compared on its
+own, never in one table with another part: OUT/<part>/ holds its report.md, tables and plots
+(the arms on the part's own test split), OUT/<part>/<dataset>/ the same for its ``eval_overrides``
+evaluation (e.g. trained on Fashion-MNIST, evaluated on digits; each run's result is kept in
+RUN_DIR/eval_<dataset>.json), and OUT/report.md puts the parts' tables one after another, each
+headed by what it was trained and evaluated on (:mod:`.parts`).
 """
 from __future__ import annotations
 
@@ -69,6 +84,14 @@ class ArmSpec:
 
 
 @dataclass
+class PartSpec:
+    name: Optional[str] = None               # required: the prefix of its run names and its folder
+    description: str = ""
+    overrides: Any = None                    # training config overrides for every arm of this part
+    eval_overrides: Any = None               # data.* overrides: the arms are also evaluated on that data
+
+
+@dataclass
 class StudyFile:
     """A study YAML, as written (every arm's full config is built from it by :func:`load_study`)."""
 
@@ -81,6 +104,7 @@ class StudyFile:
     arms: List[ArmSpec] = field(default_factory=list)
     seeds: Optional[List[int]] = None        # every arm x sweep point once per seed (default: base's run.seed)
     quick: Any = None                        # what --quick overrides (default QUICK_OVERRIDES)
+    parts: List[PartSpec] = field(default_factory=list)          # held-out data: one comparison per part
 
 
 STUDY_RULES = Rules(choices={"eval.split": ("train", "test")}, positive={"eval.batch_size"},
@@ -95,9 +119,19 @@ class Arm:
     group: str = ""                          # the arm x sweep point (the name without the seed suffix)
     seed: Optional[int] = None               # with seeds: this run's seed
     vs: Optional[str] = None                 # the group it is measured against (ArmSpec.vs at this point)
+    part: Optional[str] = None               # with parts: the part it belongs to
 
     def __post_init__(self) -> None:
         self.group = self.group or self.name
+
+
+@dataclass
+class Part:
+    """A part of a study with ``parts``: its overrides as "key=value" strings."""
+    name: str
+    description: str = ""
+    overrides: List[str] = field(default_factory=list)
+    eval_overrides: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +146,7 @@ class Study:
     quick: bool = False
     seeds: Optional[List[int]] = None        # None: no seeds (one run per arm, base's run.seed)
     declared: int = 0                        # runs the file declares (before --arms selects)
+    parts: List[Part] = field(default_factory=list)   # empty: one comparison of every arm
 
 
 def _as_overrides(spec: Any, where: str) -> List[str]:
@@ -168,7 +203,29 @@ def read_study_file(path: Path) -> StudyFile:
                               f"({', '.join(n for n in names if n != arm.name)}), got {arm.vs!r}")
     if spec.seeds is not None:
         check_seeds(spec.seeds, f"study {path.name}: key 'seeds'")
+    for i, part in enumerate(spec.parts):
+        if part.name is None or not NAME_RE.match(part.name):
+            raise ConfigError(f"study {path.name}: part #{i + 1}: expected {{name: ..., overrides: ...}} with a name "
+                              f"of letters, digits, '_', '-', '.', got {raw['parts'][i]!r}")
+    part_names = [part.name for part in spec.parts]
+    if len(set(part_names)) < len(part_names):
+        raise ConfigError(f"study {path.name}: expected distinct part names, got {', '.join(part_names)}")
     return spec
+
+
+def _parts(spec: StudyFile, path: Path) -> List[Part]:
+    """The file's parts with their overrides as strings; eval_overrides may change data.* only (the
+    evaluation measures the model as trained)."""
+    parts = []
+    for p in spec.parts:
+        where = f"study {path.name}: part {p.name!r}"
+        evals = _as_overrides(p.eval_overrides, f"{where}: 'eval_overrides'")
+        wrong = [o for o in evals if not o.split("=", 1)[0].strip().startswith("data.")]
+        if wrong:
+            raise ConfigError(f"{where}: 'eval_overrides' may change data.* keys only (the evaluation measures the "
+                              f"model as trained), got {', '.join(wrong)}")
+        parts.append(Part(p.name, p.description.strip(), _as_overrides(p.overrides, f"{where}: 'overrides'"), evals))
+    return parts
 
 
 def check_seeds(seeds: Sequence[int], where: str) -> None:
@@ -222,6 +279,7 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
 
     sweep = spec.sweep
     combos = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())] if sweep else [{}]
+    parts = _parts(spec, path)
     arms: List[Arm] = []
     seen = set()
     specs = [(arm, _as_overrides(arm.overrides, f"study {path.name}: arm {arm.name!r}")) for arm in spec.arms]
@@ -230,11 +288,12 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
             if _sets_seed(arm_overrides):
                 raise ConfigError(f"study {path.name}: arm {arm.name!r}: run.seed is set by 'seeds' ({seed_list}); "
                                   "remove it from the arm's overrides")
-    # sweep values vary slowest, then seeds: every arm at the first value with the first seed trains
-    # first (list the headline value first)
-    for combo in combos:
+    # parts vary slowest, then sweep values, then seeds: every arm at the first value with the first
+    # seed trains first (list the headline value first)
+    for part, combo in itertools.product(parts or [None], combos):
         suffix = [_sweep_suffix(k, v) for k, v in combo.items()]
-        groups = {arm.name: "_".join([arm.name] + suffix) for arm, _ in specs}
+        prefix = [] if part is None else [part.name]
+        groups = {arm.name: "_".join(prefix + [arm.name] + suffix) for arm, _ in specs}
         for seed in (seed_list if seed_list is not None else [None]):
             for arm, arm_overrides in specs:
                 group = groups[arm.name]
@@ -245,17 +304,21 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
                 if arm_name in seen:
                     raise ConfigError(f"study {path.name}: arm name {arm_name!r} appears twice")
                 seen.add(arm_name)
-                all_overrides = (_as_overrides(combo, "sweep") + arm_overrides + quick_overrides + list(overrides)
+                all_overrides = ((part.overrides if part else []) + _as_overrides(combo, "sweep") + arm_overrides
+                                 + quick_overrides + list(overrides)
                                  + ([] if seed is None else [f"run.seed={seed}"])
                                  + [f"run.name={arm_name}", f"run.dir={out_dir / 'runs' / arm_name}"])
                 try:
                     cfg = Config.from_dict(apply_overrides(spec.base, all_overrides))
+                    if part is not None and part.eval_overrides:  # the held-out evaluation's config, checked
+                        Config.from_dict(apply_overrides(spec.base, all_overrides + part.eval_overrides))
                 except ConfigError as err:
                     raise ConfigError(f"study {path.name}: arm {arm_name!r}: {err}") from None
                 arms.append(Arm(arm_name, all_overrides[:-2], cfg, group=group, seed=seed,
-                                vs=groups[arm.vs] if arm.vs is not None else None))
+                                vs=groups[arm.vs] if arm.vs is not None else None,
+                                part=None if part is None else part.name))
     declared = len(arms)
     if only:
         arms = select_arms(arms, only, "option --arms")
     return Study(name=name, path=path, description=spec.description.strip(), out=out_dir, eval=ev, arms=arms,
-                 base=spec.base, quick=quick, seeds=seed_list, declared=declared)
+                 base=spec.base, quick=quick, seeds=seed_list, declared=declared, parts=parts)
