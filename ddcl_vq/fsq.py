@@ -94,6 +94,8 @@ class FSQQuantizer(Quantizer):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
+        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
+            return self.empty_output(flat, last_shape, ())
         with torch.autocast(device_type=z.device.type, enabled=False):
             quantized, indices = self.fsq(flat.float().unsqueeze(0))
         indices = indices.reshape(-1).long()

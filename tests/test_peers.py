@@ -219,3 +219,19 @@ def test_tiny_run_end_to_end(qtype, k, tmp_path, capsys):
     loaded = VQVAE.from_pretrained(str(tmp_path / "exported"))
     idx = torch.from_numpy(tokens[:4].astype(np.int64))
     assert torch.equal(loaded.decode_indices(idx), run_model.decode_indices(idx))
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+@pytest.mark.parametrize("training", [True, False])
+def test_empty_batch(name, training):
+    """N = 0: the rule every quantizer follows (base.empty_output): a zero loss that backpropagates,
+    empty indices, quantized of the input's empty shape, and no state change."""
+    torch.manual_seed(0)
+    q = BUILD[name](256, 8).train(training)
+    before = {k: v.clone() for k, v in q.state_dict().items()}
+    z = torch.zeros(0, 8, 3, 3, requires_grad=True)
+    out = q(z)
+    assert out.quantized.shape == z.shape and out.indices.shape == (0, 3, 3)
+    assert out.loss.item() == 0.0 and all(v.item() == 0.0 for v in out.terms.values())
+    out.loss.backward()
+    assert all(torch.equal(before[k], v) for k, v in q.state_dict().items())
