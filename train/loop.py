@@ -231,7 +231,12 @@ class RunLog:
             self.images(step)
 
     def record(self, step: int, loss, recon_loss, out: VQVAEOutput, optimizer) -> Dict:
-        """One metrics.jsonl line: losses, the quantizer's terms and extra statistics, lr, usage window."""
+        """One metrics.jsonl line: losses, the quantizer's terms and extra statistics, lr, usage window.
+
+        ``codebook_lr`` only when the optimizer trains a codebook (an M-step or EMA codebook has no
+        learning rate; lines of runs before 2026-12 carry the encoder's lr under that name).
+        ``revived`` (DDCL) is cumulative: codes re-seeded since the run began (TensorBoard:
+        ``revived_total``); ``revived_new``: those re-seeded since the previous line."""
         q = out.quantizer
         record = {"step": step, "time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
                   "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
@@ -384,6 +389,7 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
     if step < t.steps:
         step = _steps(cfg, env, model, optimizer, scheduler, checkpoints, batches, test_set, step, quiet,
                       stop_after)
+    batches = None  # the training loader's worker processes (if any) end here, before the evaluation
     train_seconds = time.time() - t_start
 
     summary = {"run": str(run_dir), "step": step, "train_seconds": round(train_seconds, 1),

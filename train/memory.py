@@ -53,11 +53,13 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
     from .builders import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg, in_channels)
+        model = build_model(cfg, in_channels)  # shapes only: nothing is allocated
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     k, d = cfg.quantizer.num_codes, cfg.model.latent_dim
-    side = cfg.data.image_size // 2 ** cfg.model.num_downsamples
+    halvings = (len(cfg.model.ch_mult) - 1 if getattr(cfg.model, "arch", "vqvae") == "vqgan"
+                else cfg.model.num_downsamples)
+    side = max(cfg.data.image_size // 2 ** halvings, 1)
     rows = max(cfg.data.batch_size // max(world, 1), 1) * side * side  # latent vectors per process and step
     if cfg.quantizer.type == "ddcl":
         # blocked assignment: one block of rows × K (its live tensors); the M-step's per-code sums (K × D)
@@ -113,7 +115,12 @@ def check_fits(cfg: Config, in_channels: int, device: torch.device, world: int =
     ``DDCL_VQ_SKIP_MEMORY_CHECK=1`` skips the check."""
     if os.environ.get("DDCL_VQ_SKIP_MEMORY_CHECK", "") not in ("", "0"):
         return None
-    need = estimate(cfg, in_channels, device, world)
+    try:
+        need = estimate(cfg, in_channels, device, world)
+    except UserError:
+        raise  # a setting the model refuses: the same error the real build would give
+    except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device: no estimate, no check
+        return None
     free = available_bytes(device)
     # processes of one machine share its memory; on GPUs each process has its own device
     total = need.total * (world if device.type == "cpu" else 1)
