@@ -16,7 +16,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from huggingface_hub import PyTorchModelHubMixin
@@ -24,6 +24,9 @@ from torch import Tensor, nn
 
 from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, HardVQ, LFQQuantizer, Quantizer, QuantizerOutput,
                      SimVQQuantizer, VQPQuantizer)
+
+from .loading import (check_config, check_size, index_maps, latent_grid, load_weights, read_config_file,
+                      safetensors_header)
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
@@ -169,12 +172,30 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         (Path(save_directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "VQVAE":
+        """Load a folder written by ``save_pretrained`` / ``ddcl-vq export``, or a Hub id. Files that
+        are not what ``save_pretrained`` writes (a config.json that is not a JSON object or whose
+        sizes were edited, weights of another model, a truncated weights file) are a ValueError
+        saying so, raised before anything large is allocated (see :mod:`ddcl_vq.models.loading`)."""
+        source = str(pretrained_model_name_or_path)
+        if os.path.isdir(source):
+            config_file = os.path.join(source, "config.json")
+        else:
+            from huggingface_hub import hf_hub_download
+            config_file = hf_hub_download(repo_id=source, filename="config.json", revision=kwargs.get("revision"),
+                                          cache_dir=kwargs.get("cache_dir"),
+                                          force_download=kwargs.get("force_download", False),
+                                          token=kwargs.get("token"),
+                                          local_files_only=kwargs.get("local_files_only", False))
+        if os.path.isfile(config_file):
+            check_config(read_config_file(config_file), repr(config_file), QUANTIZER_TYPES)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: Optional[str], cache_dir, force_download: bool,
                          local_files_only: bool, token, config: Optional[Dict[str, Any]] = None,
                          map_location: str = "cpu", strict: bool = True, **model_kwargs) -> "VQVAE":
         """Rebuild from config.json, load model.safetensors (strict), eval mode."""
-        from safetensors.torch import load_model
-
         if config is None:
             raise ValueError(f"expected a config.json in {model_id!r} (written by VQVAE.save_pretrained or "
                              "ddcl-vq export)")
@@ -190,9 +211,19 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                                       cache_dir=cache_dir, force_download=force_download, token=token,
                                       local_files_only=local_files_only)
         config = {k: v for k, v in config.items() if k not in ("quantizer_state", "ddcl_vq_version")}
-        model = cls.from_config(config)
-        load_model(model, weights, strict=strict, device=str(map_location))
+        check_config(config, f"the config.json of {model_id!r}", QUANTIZER_TYPES)
+        check_size(config, safetensors_header(weights), weights)  # before anything is allocated
+        try:
+            model = cls.from_config(config)
+        except TypeError as err:  # an argument the constructors do not take
+            raise ValueError(f"the config.json of {model_id!r} does not describe a VQVAE: {err}") from None
+        load_weights(model, weights, strict=strict, device=str(map_location))
         return model.eval()
+
+    def latent_shape(self) -> Optional[Tuple[int, int]]:
+        """(h, w) of the code grid of the images the model was trained on, when its config records
+        it (an exported model, a run loaded by ddcl-vq); None otherwise."""
+        return latent_grid(self.config)
 
     def forward(self, x: Tensor) -> VQVAEOutput:
         q = self.quantizer(self.encoder(x))
@@ -203,8 +234,12 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         """(B, C, H, W) images -> (B, h, w) long code indices."""
         return self.quantizer(self.encoder(x)).indices
 
-    def decode_indices(self, indices: Tensor) -> Tensor:
-        """(B, h, w) long indices -> (B, C, H, W) reconstruction from the hard codes."""
+    def decode_indices(self, indices: Tensor, shape: Optional[Tuple[int, int]] = None) -> Tensor:
+        """(B, h, w) indices, or flat (B, h·w) sequences (what a prior emits), of any integer dtype
+        (uint8/uint16 token files, int32, int64) -> (B, C, H, W) reconstruction from the hard codes.
+        A flat sequence is laid out on ``shape`` (h, w), else on the model's :meth:`latent_shape`,
+        else on a square grid; a length that does not fit is a ValueError."""
+        indices = index_maps(indices, shape or self.latent_shape())
         return self.decoder(self.quantizer.lookup(indices).to(next(self.decoder.parameters()).dtype))
 
     @torch.no_grad()

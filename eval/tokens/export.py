@@ -10,13 +10,17 @@ reproduces the run's hard reconstructions and indices bit for bit.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from safetensors import SafetensorError
 
 from ddcl_vq.train.errors import UserError, entry_point
 from ddcl_vq.train.settings import Options, option
@@ -125,29 +129,51 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
         "source": {"name": cfg.run.name, "run": str(run_dir), "checkpoint": Path(ckpt).name, "step": step,
                    "train_steps": cfg.train.steps},
         "data": {"name": cfg.data.name, "image_size": cfg.data.image_size, "channels": image_channels(cfg.data),
-                 "latent_size": cfg.data.image_size // factor, "range": [0.0, 1.0]},
+                 "latent_size": cfg.data.image_size // factor, "seed": cfg.run.seed, "range": [0.0, 1.0]},
     })
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
     summary = None
     if (run_dir / "summary.json").is_file():
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
         except ValueError:
             summary = None
-    config = json.loads((out_dir / "config.json").read_text())
-    (out_dir / "README.md").write_text(model_card(config, summary, out_dir))
-
-    # the check: the folder alone reproduces the run's hard reconstructions and indices
     x = _check_inputs(model, cfg)
-    loaded = VQVAE.from_pretrained(str(out_dir))
-    same = (torch.equal(model.reconstruct(x, "hard"), loaded.reconstruct(x, "hard"))
-            and torch.equal(model.encode_indices(x), loaded.encode_indices(x)))
-    if not same:  # pragma: no cover - a bug, not a user error
-        raise RuntimeError(f"the export in {out_dir} does not reproduce the run's hard reconstructions")
+    # written into a hidden folder beside OUT_DIR, checked there, then moved into place: a full
+    # disk or a failed check leaves OUT_DIR as it was (not created, or its earlier files)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    try:
+        try:
+            model.save_pretrained(staging)
+        except SafetensorError as err:  # an I/O error inside safetensors (a full disk, a file size limit)
+            raise ExportError(f"could not write the export of {str(run_dir)!r} ({str(err).strip()[:200]}); "
+                              f"nothing was written to {str(out_dir)!r}") from None
+        config = json.loads((staging / "config.json").read_text())
+        (staging / "README.md").write_text(model_card(config, summary, out_dir))
+
+        # the check: the folder alone reproduces the run's hard reconstructions and indices
+        loaded = VQVAE.from_pretrained(str(staging))
+        same = (torch.equal(model.reconstruct(x, "hard"), loaded.reconstruct(x, "hard"))
+                and torch.equal(model.encode_indices(x), loaded.encode_indices(x)))
+        if not same:  # pragma: no cover - a bug, not a user error
+            raise RuntimeError(f"the export in {out_dir} does not reproduce the run's hard reconstructions")
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export is for sharing
+        if not out_dir.exists():
+            os.rename(staging, out_dir)
+        else:
+            for name in FILES:
+                os.replace(staging / name, out_dir / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
-            "quantizer_type": config["quantizer_type"], "checked_images": int(x.shape[0]),
-            "files": {name: (out_dir / name).stat().st_size for name in FILES}}
+            "train_steps": cfg.train.steps, "quantizer_type": config["quantizer_type"],
+            "checked_images": int(x.shape[0]), "files": {name: (out_dir / name).stat().st_size for name in FILES}}
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
@@ -171,6 +197,9 @@ def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
+    if done["step"] < done["train_steps"]:
+        print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
+              f"stopped early): exported its checkpoint of step {done['step']}", file=sys.stderr)
     if not opts.quiet:
         for name, size in done["files"].items():
             print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")

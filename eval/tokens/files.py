@@ -12,6 +12,8 @@ K ≤ 256, uint16 for K ≤ 65,536, else uint32.
 """
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -52,6 +54,7 @@ def labels_path(path: str | Path) -> Path:
 
 
 def _atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename tmp -> path: a failure (a full disk) leaves ``path`` as it was."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
@@ -59,6 +62,9 @@ def _atomic(path: Path, write) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a token file is for sharing
         os.replace(tmp, path)
+    except OSError as err:
+        raise TokenFileError(f"could not write {str(path)!r} ({err.strerror or err}); nothing was written "
+                             "there") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -73,8 +79,17 @@ def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndar
     if path.suffix == ".npy":
         def save(array):
             def write(tmp):
+                # numpy's own writer can cut a file short on a full disk without an error: write the
+                # bytes through Python (which raises), sync, and check the size
+                buffer = io.BytesIO()
+                np.save(buffer, array)
+                data = buffer.getbuffer()
                 with open(tmp, "wb") as f:
-                    np.save(f, array)
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if os.path.getsize(tmp) != len(data):  # pragma: no cover - the write above raises first
+                    raise OSError(errno.ENOSPC, f"wrote {os.path.getsize(tmp)} of {len(data)} bytes", str(tmp))
             return write
         _atomic(path, save(indices))
         written.append(path)
@@ -84,13 +99,17 @@ def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndar
         else:
             labels_path(path).unlink(missing_ok=True)  # not a stale one from an earlier run
         return written
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     tensors = {"indices": np.ascontiguousarray(indices)}
     if labels is not None:
         tensors["labels"] = np.ascontiguousarray(labels)
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    try:
+        _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    except SafetensorError as err:  # an I/O error inside safetensors (a full disk, a file size limit)
+        raise TokenFileError(f"could not write {str(path)!r} ({str(err).strip()[:200]})") from None
     return [path]
 
 
@@ -100,6 +119,8 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
     path = check_suffix(path)
     if not path.is_file():
         raise TokenFileError(f"token file {str(path)!r} does not exist")
+    from safetensors import SafetensorError
+
     try:
         if path.suffix == ".npy":
             indices = np.load(path, allow_pickle=False)
@@ -112,8 +133,10 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
         with safe_open(str(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})
         tensors = load_file(str(path))
-    except (OSError, ValueError) as err:
-        raise TokenFileError(f"cannot read token file {str(path)!r}: {err}") from None
+    except (OSError, ValueError, EOFError, SafetensorError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise TokenFileError(f"cannot read token file {str(path)!r}: not a {path.suffix} token file or cut off "
+                             f"({first})") from None
     if "indices" not in tensors:
         if len(tensors) != 1:
             raise TokenFileError(f"expected a tensor 'indices' in {str(path)!r}, got {sorted(tensors)}")

@@ -1,4 +1,8 @@
-"""``ddcl-vq tokenize RUN_DIR --split train --out FILE``: a dataset split -> hard code indices.
+"""``ddcl-vq tokenize MODEL --split train --out FILE``: a dataset split -> hard code indices.
+
+MODEL is a run directory, a folder written by ``ddcl-vq export`` or its Hub id; an export names
+its dataset (``config.json`` ``data``: name, image size, seed), dotted ``data.*`` overrides say
+where it lives here (e.g. ``data.root=/path`` for an image folder).
 
 Every image of the split, in dataset order, is encoded by the run's model (eval mode: the hard
 indices ``VQVAE.encode_indices`` gives) into an (N, h, w) array of the smallest unsigned integer
@@ -22,7 +26,7 @@ import torch
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
 
-from .files import check_suffix, index_dtype, write_tokens
+from .files import TokenFileError, check_suffix, index_dtype, write_tokens
 
 HELP = """\
 Encode every image of a dataset split with a trained run's model and write the hard code
@@ -32,16 +36,20 @@ for K <= 65,536), with the labels when the dataset has them:
   FILE.npy          indices; labels in FILE.labels.npy      numpy.load(FILE)
   FILE.safetensors  tensors 'indices' and 'labels' + metadata  safetensors.numpy.load_file(FILE)
 
+MODEL is a run directory, a folder written by `ddcl-vq export`, or its Hub id (user/name): an
+export names its dataset (name, image size), and data.* overrides say where it lives here.
 Dotted overrides change the run's config for this command only (e.g. data.root=/path).
 
   ddcl-vq tokenize runs/fashion_ddcl --split train --out tokens/fashion_train.npy
+  ddcl-vq tokenize exported/fashion_ddcl --split test --out tokens/fashion_test.safetensors
   ddcl-vq decode runs/fashion_ddcl tokens/fashion_train.npy --out first64.png
 """
 
 
 @dataclass(kw_only=True)
 class TokenizeOptions:
-    run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
+    run_dir: str = option(help="a run directory written by ddcl-vq train, an exported model folder or its Hub id",
+                          positional=True, metavar="MODEL")
     split: str = option("train", "dataset split")
     out: str = option(help="the token file to write (.npy or .safetensors)", metavar="FILE")
     batch_size: int = option(256, "images per batch")
@@ -99,14 +107,47 @@ def encode_dataset(model, dataset, batch_size: int = 256, max_images: int = 0, d
     return indices, (labels if (labels >= 0).any() else None)
 
 
+#: what overrides may change when tokenizing with an exported model (its data and where it runs)
+EXPORT_OVERRIDES = ("data.", "train.device=")
+
+
+def export_data_config(model, source, overrides=()):
+    """The config an exported model's dataset is read with: its ``config.json`` ``data`` (name,
+    image size, seed) + ``data.*`` / ``train.device`` overrides; a TokenFileError when it cannot be."""
+    from ddcl_vq.train.config import load_config
+    from ddcl_vq.train.data import image_channels
+
+    data = (model.config or {}).get("data") or {}
+    bad = [o for o in overrides if not str(o).startswith(EXPORT_OVERRIDES)]
+    if bad:
+        raise TokenFileError(f"with an exported model, overrides may change data.* and train.device only, got "
+                             f"{', '.join(map(repr, bad))}")
+    if "name" not in data and not any(str(o).startswith("data.name=") for o in overrides):
+        raise TokenFileError(f"the exported model {str(source)!r} does not say which dataset it encodes (no 'data' in "
+                             "its config.json): pass data.name=... and data.image_size=...")
+    given = [f"data.{k}={data[k]}" for k in ("name", "image_size") if k in data]
+    given += [f"run.seed={data['seed']}"] if isinstance(data.get("seed"), int) else []
+    cfg = load_config(None, given + list(overrides))
+    channels = (model.config.get("encoder_kwargs") or {}).get("in_channels")
+    if channels is not None and channels != image_channels(cfg.data):
+        raise TokenFileError(f"the exported model {str(source)!r} encodes {channels}-channel images, "
+                             f"{cfg.data.name} has {image_channels(cfg.data)}")
+    return cfg
+
+
 def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: int = 256, max_images: int = 0,
                  overrides=(), device: str = "auto", progress: bool = False) -> Dict:
-    """Tokenize ``split`` of the run's dataset into ``out``; returns a summary."""
-    from ddcl_vq.eval.evaluate import load_run
+    """Tokenize ``split`` of the dataset of ``run_dir`` (a run directory, an exported model folder or
+    its Hub id) into ``out``; returns a summary."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
 
+    from .models import load_source
+
     out = check_suffix(out)  # before any work
-    cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
+    model, cfg, source = load_source(run_dir, overrides, "cpu")
+    if cfg is None:
+        cfg = export_data_config(model, run_dir, overrides)
+    step, ckpt = source.get("step"), source.get("checkpoint")
     dev = _device(device, cfg)
     model = model.to(dev)
     dataset = build_dataset(cfg.data, split, cfg.run.seed)
@@ -116,7 +157,7 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
     seconds = time.time() - t0
     k = model.quantizer.num_codes
     metadata = {"format": "ddcl-vq/tokens", "num_codes": k, "run": str(run_dir), "step": step,
-                "checkpoint": Path(ckpt).name, "dataset": cfg.data.name, "split": split,
+                "checkpoint": Path(ckpt).name if ckpt else source["kind"], "dataset": cfg.data.name, "split": split,
                 "image_size": cfg.data.image_size, "shape": list(indices.shape)}
     written = write_tokens(out, indices, labels, metadata)
     used = int(np.unique(indices).size)

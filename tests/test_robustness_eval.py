@@ -1,0 +1,372 @@
+"""Nothing lost, nothing silently wrong — second round, the evaluation and token side (issue 24):
+
+- item 5: compare refuses runs of different datasets up front (no false table, no partial files);
+- item 7: a full disk (a real kernel error: RLIMIT_FSIZE in a subprocess gives EFBIG) during
+  export, tokenize, decode and compare is one line, and leaves no empty folder, no partial file,
+  and the earlier file where there was one;
+- item 8: tampered or mismatched model files and garbage token files are one line each, refused
+  before anything large is allocated;
+- rough edges: evaluate/compare of a read-only run (--out, OUT/evals); freshness by the
+  checkpoint's content; compare does not overwrite or mislabel an evaluate result; decode notes
+  another grid and refuses tokens of another K; export of an unfinished run warns; evaluate of a
+  run in training says so quietly.
+"""
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ddcl_vq.eval import cli
+from ddcl_vq.eval.evaluate import evaluate_run
+from ddcl_vq.eval.freshness import needs_eval
+from ddcl_vq.eval.tokens.export import export_run
+from ddcl_vq.models import VQVAE
+from ddcl_vq.train.config import load_config
+from ddcl_vq.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.checkpoint_every=3",
+        "train.eval_images=0"]
+OUTPUTS = ("table.md", "table.csv", "table.json", "usage_histograms.png", "usage_over_training.png",
+           "psnr_vs_utilization.png", "reconstructions.png")
+
+
+def one_error_line(capsys, prog):
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "ddcl"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + [f"run.dir={run}", "run.name=tiny"]), quiet=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports") / "tiny"
+    export_run(run, out)
+    return out
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest)  # copy2: file times kept, like cp -p
+    (dest / "eval.json").unlink(missing_ok=True)
+    shutil.rmtree(dest / "tb", ignore_errors=True)
+    return dest
+
+
+# --------------------------------------------------------------------------- a real full disk
+
+LIMITED = """\
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of a signal
+import matplotlib.pyplot, torch, torchvision  # imported (caches written) before the limit
+from ddcl_vq.eval import cli
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def limited(tmp_path: Path, limit: int, *argv) -> subprocess.CompletedProcess:
+    """``ddcl-vq ARGV`` in a process that cannot write a file larger than ``limit`` bytes."""
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(script), str(limit)] + [str(a) for a in argv], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=tmp_path)
+
+
+def assert_one_line(done: subprocess.CompletedProcess, prog: str) -> str:
+    err = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("tokenize: ", "evaluate: "))]
+    assert done.returncode == 2 and len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: "), done.stderr
+    return err[0]
+
+
+def test_export_on_a_full_disk_is_one_line_and_leaves_no_folder(run, tmp_path):
+    out = tmp_path / "models" / "tiny"
+    line = assert_one_line(limited(tmp_path, 20_000, "export", run, out), "export")  # the weights are ~47 KB
+    assert "could not write the export" in line and "File too large" in line and "nothing was written" in line
+    assert not out.exists() and list((tmp_path / "models").iterdir()) == []  # no folder, no hidden staging
+    # an earlier export in the folder stays as it was
+    export_run(run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert_one_line(limited(tmp_path, 20_000, "export", run, out, "--overwrite"), "export")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny"]
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".safetensors"])
+def test_tokenize_on_a_full_disk_is_one_line_and_writes_nothing(run, tmp_path, suffix):
+    out = tmp_path / f"tokens{suffix}"
+    line = assert_one_line(limited(tmp_path, 1000, "tokenize", run, "--split", "test", "--max-images", "40",
+                                   "--out", out, "--quiet"), "tokenize")  # 40 x 8 x 8 codes: 2.6 KB
+    assert f"could not write '{out}'" in line and "File too large" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["limited.py"]  # no partial or temporary file
+
+
+def test_decode_and_compare_on_a_full_disk_keep_what_was_there(run, exported, tmp_path):
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.zeros((20, 8, 8), dtype=np.uint8))
+    png = tmp_path / "grid.png"
+    png.write_bytes(b"an earlier grid")
+    line = assert_one_line(limited(tmp_path, 100, "decode", exported, tokens, "--out", png), "decode")
+    assert "could not write" in line and "the earlier file is unchanged" in line
+    assert png.read_bytes() == b"an earlier grid" and not list(tmp_path.glob(".grid.png*"))
+
+    out = tmp_path / "cmp"
+    line = assert_one_line(limited(tmp_path, 20_000, "compare", copy_run(run, tmp_path / "r"), "--out", out,
+                                   "--max-images", "16", "--quiet"), "compare")
+    assert "could not write the comparison" in line
+    assert sorted(p.name for p in out.iterdir()) == []  # the plots failed: no table.md either, no staging
+
+
+# --------------------------------------------------------------------------- compare across datasets
+
+def image_folder(root: Path, train=24, test=8) -> Path:
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train), ("test", test)):
+        (root / split / "things").mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(root / split / "things" / f"{i}.png")
+    return root
+
+
+def test_compare_refuses_runs_of_different_datasets_before_any_work(run, tmp_path, capsys):
+    folder_run = tmp_path / "folder_run"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + [
+        f"run.dir={folder_run}", "data.name=image_folder", f"data.root={image_folder(tmp_path / 'images')}",
+        "data.image_size=16", "data.batch_size=8", "train.steps=2"]), quiet=True)
+    fashion = copy_run(run, tmp_path / "fashion_run")
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", str(fashion), str(folder_run), "--out", str(out), "--max-images", "8", "--quiet"]) == 2
+    line = one_error_line(capsys, "compare")
+    assert "different datasets" in line and "fashion_mnist 1x32x32" in line and "image_folder 3x16x16" in line
+    assert str(folder_run) in line and str(fashion) in line
+    assert not out.exists()  # no table saying both were evaluated on one dataset, no partial plots
+    assert not (fashion / "eval.json").exists() and not (folder_run / "eval.json").exists()  # nothing evaluated
+
+
+# --------------------------------------------------------------------------- tampered model files
+
+def _edit(section, key, value):
+    def edit(folder: Path):
+        config = json.loads((folder / "config.json").read_text())
+        config[section][key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _weights_of_another_model(folder: Path):
+    config = json.loads((folder / "config.json").read_text())
+    for part in ("encoder_kwargs", "decoder_kwargs"):
+        config[part]["channels"] = 32
+    other = VQVAE.from_config({k: config[k] for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type",
+                                                      "quantizer_kwargs")})
+    other.save_pretrained(folder / "other")
+    shutil.move(folder / "other" / "model.safetensors", folder / "model.safetensors")
+    shutil.rmtree(folder / "other")
+
+
+def _truncate(keep: int):
+    def cut(folder: Path):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:keep])
+    return cut
+
+
+TAMPERED = {
+    "num_codes changed": (_edit("quantizer_kwargs", "num_codes", 16), "do not fit the model config.json describes"),
+    "in_channels changed": (_edit("encoder_kwargs", "in_channels", 3), "size mismatch for encoder"),
+    "weights of another model": (_weights_of_another_model, "do not fit the model config.json describes"),
+    "config.json a JSON list": (lambda f: (f / "config.json").write_text("[1, 2, 3]"), "got a JSON list"),
+    "config.json not JSON": (lambda f: (f / "config.json").write_text("{oops"), "to hold JSON"),
+    "num_codes=1e12 (float)": (_edit("quantizer_kwargs", "num_codes", 1e12), "to be a positive integer, got 1000000000000.0"),
+    "num_codes=10**12": (_edit("quantizer_kwargs", "num_codes", 10**12), "(a 32.0 TB codebook) but"),
+    "channels=10**9": (_edit("decoder_kwargs", "channels", 10**9), "decoder_kwargs.channels"),
+    "weights cut in the tensors": (_truncate(30_000), "is truncated: its header lists"),
+    "weights cut in the header": (_truncate(100), "it is truncated or not safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_tampered_model_files_are_one_line_before_any_allocation(case, exported, tmp_path, capsys):
+    tamper, message = TAMPERED[case]
+    folder = tmp_path / "model"
+    shutil.copytree(exported, folder)
+    tamper(folder)
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.zeros((2, 8, 8), dtype=np.uint8))
+    assert cli.main(["decode", str(folder), str(tokens), "--out", str(tmp_path / "g.png")]) == 2
+    line = one_error_line(capsys, "decode")
+    assert f"cannot load the exported model in '{folder}'" in line and message in line, line
+    assert cli.main(["tokenize", str(folder), "--split", "test", "--out", str(tmp_path / "x.npy")]) == 2
+    assert message in one_error_line(capsys, "tokenize")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        VQVAE.from_pretrained(str(folder))
+    assert not (tmp_path / "g.png").exists() and not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("garbage.safetensors", os.urandom(300), "not a .safetensors token file or cut off"),
+    ("garbage.npy", b"\x93NUMPY" + os.urandom(100), "not a .npy token file or cut off"),
+    ("short.npy", None, "not a .npy token file or cut off"),
+])
+def test_a_garbage_token_file_is_one_line(name, data, message, exported, tmp_path, capsys):
+    path = tmp_path / name
+    if data is None:  # a real token file cut short
+        np.save(path, np.zeros((20, 8, 8), dtype=np.uint8))
+        data = path.read_bytes()[:500]
+    path.write_bytes(data)
+    assert cli.main(["decode", str(exported), str(path), "--out", str(tmp_path / "g.png")]) == 2
+    assert message in one_error_line(capsys, "decode")
+
+
+# --------------------------------------------------------------------------- decode: grid and K
+
+def test_decode_notes_another_grid_and_refuses_tokens_of_another_k(exported, tmp_path, capsys):
+    from ddcl_vq.eval.tokens.files import write_tokens
+
+    small = tmp_path / "small.npy"
+    np.save(small, np.zeros((3, 4, 4), dtype=np.int32))
+    assert cli.main(["decode", str(exported), str(small), "--out", str(tmp_path / "g.png")]) == 0
+    err = capsys.readouterr().err
+    assert "note: the maps are 4x4 codes, the model was trained on 8x8" in err
+    from PIL import Image
+    assert Image.open(tmp_path / "g.png").size == (3 * 18 + 2, 18 + 2)  # three 16x16 images, padding 2
+
+    other_k = tmp_path / "other_k.safetensors"
+    write_tokens(other_k, np.zeros((2, 8, 8), dtype=np.uint16), None, {"num_codes": 512, "run": "runs/big"})
+    assert cli.main(["decode", str(exported), str(other_k), "--out", str(tmp_path / "h.png")]) == 2
+    line = one_error_line(capsys, "decode")
+    assert "K = 512 codebook (made by runs/big), this model has K = 32" in line
+    assert not (tmp_path / "h.png").exists()
+
+
+# --------------------------------------------------------------------------- read-only runs
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """``folder`` made read-only for real: a read-only bind mount as root (root ignores permission
+    bits), permission bits otherwise; skips where neither is possible."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+        for p in modes:
+            p.chmod(modes[p] & ~0o222)
+        try:
+            yield folder
+        finally:
+            for p, mode in modes.items():
+                p.chmod(mode)
+        return
+    mount = folder.with_name(folder.name + "_ro")
+    mount.mkdir()
+    done = subprocess.run(["mount", "--bind", str(folder), str(mount)], capture_output=True)
+    if done.returncode != 0:
+        mount.rmdir()
+        pytest.skip("no read-only mount possible here (root without mount rights)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], capture_output=True).returncode != 0:
+            pytest.skip("no read-only remount possible here")
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+        mount.rmdir()
+
+
+def test_a_read_only_run_is_evaluated_and_compared_with_results_written_elsewhere(run, tmp_path, capsys):
+    archived = copy_run(run, tmp_path / "archived")
+    with read_only(archived) as ro:
+        assert cli.main(["evaluate", str(ro), "--max-images", "16", "--quiet"]) == 2
+        line = one_error_line(capsys, "evaluate")
+        assert "cannot be written" in line and "pass --out PATH" in line
+        assert cli.main(["evaluate", str(ro), "--max-images", "16", "--quiet", "--out", str(tmp_path / "ev.json")]) == 0
+        ev = json.loads((tmp_path / "ev.json").read_text())
+        assert ev["num_images"] == 16 and ev["made_by"] == "evaluate" and ev["run"] == str(ro)
+        assert cli.main(["evaluate", str(ro), "--max-images", "16", "--quiet", "--out", str(tmp_path / "evals")]) == 0
+        assert json.loads((tmp_path / "evals" / "eval.json").read_text())["num_images"] == 16
+
+        out = tmp_path / "cmp"
+        assert cli.main(["compare", str(ro), "--out", str(out), "--max-images", "16", "--quiet"]) == 0
+        assert all((out / name).is_file() for name in OUTPUTS)
+        (stored,) = (out / "evals").glob("*.json")
+        assert json.loads(stored.read_text())["num_images"] == 16
+        before = stored.stat().st_mtime_ns
+        assert cli.main(["compare", str(ro), "--out", str(out), "--max-images", "16", "--quiet"]) == 0
+        assert stored.stat().st_mtime_ns == before  # reused
+    assert not (archived / "eval.json").exists()
+
+
+# --------------------------------------------------------------------------- freshness and labels
+
+def test_freshness_is_by_the_checkpoints_content_not_its_file_time(run, tmp_path):
+    copy = copy_run(run, tmp_path / "copy")
+    ev = evaluate_run(copy, max_images=32, batch_size=32)
+    assert not needs_eval(copy, "test", 32)
+    # another checkpoint of the same step and name, with an older file time (cp -p of another run's file)
+    ckpt = copy / "checkpoints" / "last.pt"
+    state = torch.load(ckpt, weights_only=True)
+    stamp = ckpt.stat()
+    key = next(k for k, v in state["model"].items() if k.startswith("decoder") and v.is_floating_point())
+    state["model"][key] = state["model"][key] * 0.5
+    torch.save(state, ckpt)
+    os.utime(ckpt, ns=(stamp.st_atime_ns - 10**12, stamp.st_mtime_ns - 10**12))
+    assert (copy / "eval.json").stat().st_mtime > ckpt.stat().st_mtime and state["step"] == ev["step"]
+    assert needs_eval(copy, "test", 32)
+    rows = cli_compare([copy], tmp_path / "cmp", 32)
+    truth = evaluate_run(copy, max_images=32, batch_size=32, write=False)
+    assert rows[0]["hard_psnr"] == truth["recon"]["hard"]["psnr"] != ev["recon"]["hard"]["psnr"]
+
+
+def cli_compare(runs, out: Path, max_images: int):
+    assert cli.main(["compare", *map(str, runs), "--out", str(out), "--max-images", str(max_images), "--quiet"]) == 0
+    return json.loads((out / "table.json").read_text())["rows"]
+
+
+def test_compare_keeps_an_evaluate_result_and_labels_its_own(run, tmp_path):
+    copy = copy_run(run, tmp_path / "copy")
+    assert cli.main(["evaluate", str(copy), "--max-images", "16", "--quiet"]) == 0
+    mine = (copy / "eval.json").read_bytes()
+    rows = cli_compare([copy], tmp_path / "cmp", 8)
+    assert rows[0]["num_images"] == 8
+    assert (copy / "eval.json").read_bytes() == mine  # not overwritten
+    assert json.loads(mine)["command"].startswith("ddcl-vq evaluate") and json.loads(mine)["num_images"] == 16
+    (stored,) = (tmp_path / "cmp" / "evals").glob("*.json")
+    ev = json.loads(stored.read_text())
+    assert ev["num_images"] == 8 and ev["made_by"] == "compare" and ev["command"].startswith("ddcl-vq compare")
+    # a run without an evaluate result gets compare's evaluation in RUN_DIR/eval.json, labelled as such
+    fresh = copy_run(run, tmp_path / "fresh")
+    cli_compare([fresh], tmp_path / "cmp2", 8)
+    assert json.loads((fresh / "eval.json").read_text())["made_by"] == "compare"
+
+
+# --------------------------------------------------------------------------- unfinished runs
+
+def test_export_and_evaluate_of_an_unfinished_run_say_so_quietly(run, tmp_path, capsys):
+    unfinished = copy_run(run, tmp_path / "unfinished")
+    raw = yaml.safe_load((unfinished / "config.yaml").read_text())
+    raw["train"]["steps"] = 12  # a training of 12 steps that has saved step 6 so far
+    (unfinished / "config.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main(["export", str(unfinished), str(tmp_path / "exp"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "is at step 6 of 12" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["evaluate", str(unfinished), "--max-images", "8", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "note:" in err and "is at step 6 of 12" in err
+    assert "does not exist" not in err and "trying an older checkpoint" not in err
+    assert cli.main(["export", str(run), str(tmp_path / "exp2"), "--quiet"]) == 0
+    assert "warning:" not in capsys.readouterr().err  # a finished run: no warning
