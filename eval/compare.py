@@ -53,7 +53,7 @@ OUTPUTS = ("table.md", "table.csv", "table.json", "usage_histograms.png", "usage
 
 def dataset_of(run_dir: Path) -> str:
     """What a run was trained and is evaluated on, as compare tells datasets apart:
-    ``name CxSxS`` (and the folder, for image_folder)."""
+    ``name CxSxS`` (and the folder, for image_folder; the test photographs, for natural_patches)."""
     from ddcl_vq.train.config import load_config
     from ddcl_vq.train.data import image_channels
 
@@ -63,6 +63,8 @@ def dataset_of(run_dir: Path) -> str:
     text = f"{data.name} {image_channels(data)}x{data.image_size}x{data.image_size}"
     if data.name == "image_folder":
         text += f" from {str(Path(data.root).expanduser().resolve())!r}"
+    if data.name == "natural_patches":  # other test photographs are other data
+        text += f" (test photographs {', '.join(data.test_photos)})"
     return text
 
 

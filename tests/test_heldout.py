@@ -237,3 +237,22 @@ def test_a_study_with_parts_compares_each_part_on_its_own(tmp_path):
     stamp = (runs / "f2d_hard" / "eval_digits.json").stat().st_mtime_ns
     assert study_main(["--config", str(study), "--quick", "--out", str(out), "--report-only"]) == 0
     assert (runs / "f2d_hard" / "eval_digits.json").stat().st_mtime_ns == stamp
+
+
+def test_compare_refuses_runs_tested_on_other_photographs(tmp_path):
+    from ddcl_vq.eval.compare import check_one_dataset
+    from ddcl_vq.eval.evaluate import EvaluateError
+    from ddcl_vq.train.config import dump_config
+
+    def run(name, *overrides):
+        (tmp_path / name).mkdir()
+        cfg = load_config(None, ["data.name=natural_patches", *overrides])
+        (tmp_path / name / "config.yaml").write_text(dump_config(cfg))
+        return tmp_path / name
+
+    a = run("a", "data.train_photos=[astronaut]", "data.test_photos=[coffee]")
+    b = run("b", "data.train_photos=[rocket]", "data.test_photos=[coffee]")
+    c = run("c", "data.train_photos=[astronaut]", "data.test_photos=[chelsea]")
+    assert check_one_dataset([a, b]) == "natural_patches 3x32x32 (test photographs coffee)"
+    with pytest.raises(EvaluateError, match=r"different datasets.*test photographs chelsea.*test photographs coffee"):
+        check_one_dataset([a, c])
