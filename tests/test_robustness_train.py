@@ -25,9 +25,9 @@ import torch
 from ddcl_vq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ddcl_vq.train.cli import main as train_main
 from ddcl_vq.train.config import Config, ConfigError, load_config
-from ddcl_vq.train.data import DataUnavailable, UnreadableImage, build_dataset, fashion_mnist_arrays
+from ddcl_vq.train.data import DataUnavailable, ImageFiles, build_dataset, fashion_mnist_arrays
 from ddcl_vq.train.loop import train
-from ddcl_vq.train.memory import NotEnoughMemory, estimate
+from ddcl_vq.train.memory import NotEnoughMemory, check_fits, estimate
 from ddcl_vq.train.rundir import RunDirError
 from ddcl_vq.train.yamlfile import MAX_VALUES
 
@@ -179,9 +179,19 @@ def test_16_bit_images_keep_their_scale(tmp_path, capsys):
     assert x.shape == (4, 3, 16, 16)
     assert abs(float(x.mean()) - 0.5) < 0.01 and float((x > 0.99).float().mean()) < 0.1  # not white
     assert float(x.min()) < 0.05 and float(x.max()) > 0.95
-    # 8-bit images load as before: the same tensor as 8-bit RGB / 255
-    Image.fromarray((np.arange(24 * 24 * 3) % 256).astype(np.uint8).reshape(24, 24, 3)).save(
-        root / "train" / "ramps" / "rgb8.png")
+    # 8-bit images load as before: exactly what torchvision's own ImageFolder pipeline gives
+    from torchvision import datasets, transforms
+    eight = tmp_path / "eight"
+    (eight / "c").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (24, 20, 3), dtype=np.uint8)).save(eight / "c" / "rgb.png")
+    Image.fromarray(rng.integers(0, 256, (24, 20), dtype=np.uint8)).save(eight / "c" / "grey.png")
+    ours = ImageFiles(eight, 16)
+    theirs = datasets.ImageFolder(str(eight), transform=transforms.Compose(
+        [transforms.Resize(16), transforms.CenterCrop(16), transforms.ToTensor()]))
+    for i in range(2):
+        assert torch.equal(ours[i][0], theirs[i][0])
+    shutil.copy(eight / "c" / "rgb.png", root / "train" / "ramps" / "rgb8.png")
     args = ["--config", "configs/fashion_ddcl.yaml", "--check-data", "data.name=image_folder", f"data.root={root}",
             "data.image_size=16"]
     assert train_main(args) == 0
@@ -296,6 +306,10 @@ def test_memory_estimate_counts_the_real_model(tmp_path):
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     need = estimate(cfg, 1, torch.device("cpu"))
     assert need.state == state and need.training == 3 * trainable and need.step > 0
+    assert check_fits(cfg, 1, torch.device("cpu")) == need  # a tiny model fits
+    huge = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.num_codes=1000000000"])
+    with pytest.raises(NotEnoughMemory, match=r"needs at least [\d,.]+ GiB of memory, this machine has"):
+        check_fits(huge, 1, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- rough edges
