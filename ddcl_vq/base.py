@@ -146,12 +146,17 @@ class Quantizer(nn.Module):
                      soft_counts: bool = False) -> QuantizerOutput:
         """What every quantizer returns for an empty batch (N = 0 vectors), in training and in
         evaluation: ``quantized`` of the input's (empty) shape, empty indices, a zero ``loss`` and
-        zero ``terms`` (finite, on the input's graph), perplexity 1, and (``soft_counts``) K zeros.
-        The caller returns it before touching any state: nothing is initialised or learned.
+        zero ``terms`` (finite), perplexity 1, and (``soft_counts``) K zeros. The loss is on the
+        input's graph and on every trainable parameter's, so backward gives them zero gradients
+        (DistributedDataParallel expects a gradient for every parameter on every process). The
+        caller returns it before touching any state: nothing is initialised or learned.
 
         flat, last_shape: what :func:`flatten` returned for the input."""
         x = flat.to(compute_dtype(flat))
         zero = x.sum()                       # exactly 0 for no vectors, and on the input's graph
+        for p in self.parameters():
+            if p.requires_grad:
+                zero = zero + p.reshape(-1)[:0].sum().to(zero.dtype)   # 0, with a zero gradient
         indices = torch.zeros(0, dtype=torch.long, device=flat.device)
         return QuantizerOutput(
             quantized=unflatten(flat, last_shape, self.channel_dim),

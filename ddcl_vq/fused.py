@@ -100,12 +100,11 @@ class _Blocks:
         return torch.mm(za, self.logit_rhs, out=out).clamp_max_(0.0)
 
 
-
 # ----------------------------------------------------------------------------- q buffer reuse (CPU)
 
 #: The fused path keeps q (N×K) from forward to backward. On the CPU a fresh N×K tensor costs a
-#: page fault per 4 KiB page on first touch (measured on a 2-core VM: 0.19 s for N = K = 8192, as
-#: much as everything but the matmuls), so once backward is done with q its memory is kept for the
+#: page fault per 4 KiB page on first touch (at N = K = 8192 about as much as everything but the
+#: matmuls; docs/performance.md), so once backward is done with q its memory is kept for the
 #: next forward of the same or a smaller size: at most ``REUSE_MAX_BUFFERS`` buffers per dtype of at
 #: most ``REUSE_MAX_BYTES`` each, held between steps (what one step allocates anyway).
 #: ``set_buffer_reuse(False)`` (or ``DDCL_VQ_REUSE_BUFFERS=0`` at import) turns it off;

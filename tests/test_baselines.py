@@ -124,6 +124,8 @@ def test_empty_batch_one_rule_for_every_quantizer(make, training, channel_dim):
     assert torch.isfinite(out.perplexity)
     out.loss.backward()
     assert z.grad.shape == z.shape
+    for p in q.parameters():        # every trainable parameter gets a (zero) gradient: DDP needs one
+        assert not p.requires_grad or torch.equal(p.grad, torch.zeros_like(p))
     after = _copies(q)
     assert after.keys() == before.keys()
     assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]

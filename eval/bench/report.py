@@ -40,10 +40,10 @@ x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shap
 % 6mm: rate relative to the six bare matmuls of the full DDCL gradient at the same shape
       (100% = as fast as the matmuls alone). straight_through DDCL (ddcl-*) needs only three
       of them (no gradient through q to z), so it can pass 100%.
-DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first
-batch; ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and
-first-batch set-up included, every run); ddcl-<path> =
-straight_through with the codebook trained by gradient; ddcl-soft-<path> = soft mode (full gradient)."""
+DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first batch;
+ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and first-batch
+set-up included, every run); ddcl-<path> = straight_through with the codebook trained by gradient;
+ddcl-soft-<path> = soft mode (full gradient)."""
 
 
 MEMORY_TEXT = {
