@@ -180,17 +180,17 @@ class GANStep:
             if self.perceptual is None:
                 raise ConfigError(f"config key 'loss.perceptual_weight': a perceptual loss needs LPIPS with real "
                                   f"ImageNet {loss_cfg.perceptual_net} weights; {self.perceptual_note}")
-        self.disc = self.disc_ddp = self.optimizer = None
+        self.disc = self.optimizer = None
+        self.world = world
         if loss_cfg.disc_weight > 0:
             # built on its own seeded RNG: the global RNG stream (data, quantizer) is the same with or without it
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + 7919)
                 self.disc = NLayerDiscriminator(in_channels, loss_cfg.disc_channels, loss_cfg.disc_layers)
+            # the same seed on every process: one discriminator; its gradients are averaged across processes
+            # and its BatchNorm statistics taken from rank 0 at each step (what DDP would do; DDP itself refuses
+            # the two forwards, real and fake, before one backward)
             self.disc = self.disc.to(self.device)
-            self.disc_ddp = self.disc
-            if world > 1:
-                self.disc_ddp = torch.nn.parallel.DistributedDataParallel(
-                    self.disc, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             d_lr = loss_cfg.disc_lr if loss_cfg.disc_lr is not None else lr
             self.optimizer = torch.optim.Adam(self.disc.parameters(), lr=d_lr, betas=(0.5, 0.9))
             self.base_lr, self.lr_lambda = d_lr, lr_lambda or (lambda s: 1.0)
@@ -266,17 +266,34 @@ class GANStep:
         if not self.disc_active(step):
             self._stats.update(loss_d=0.0, logits_real=0.0, logits_fake=0.0)
             return torch.zeros((), device=x.device)
-        logits_real = self._d(x.detach(), self.disc_ddp)
-        logits_fake = self._d(recon.detach().float(), self.disc_ddp)
+        logits_real = self._d(x.detach(), self.disc)
+        logits_fake = self._d(recon.detach().float(), self.disc)
         d_loss = discriminator_loss(self.cfg.disc_loss, logits_real, logits_fake)
         for group in self.optimizer.param_groups:  # the generator's lr schedule, at this step
             group["lr"] = self.base_lr * self.lr_lambda(step)
         self.optimizer.zero_grad(set_to_none=True)
         d_loss.backward()
+        if self.world > 1:
+            self._synchronise()
         self.optimizer.step()
         self._stats.update(loss_d=d_loss.detach(), logits_real=logits_real.detach().mean(),
                            logits_fake=logits_fake.detach().mean())
         return d_loss.detach()
+
+    def _synchronise(self) -> None:
+        """Average the discriminator's gradients over the processes; its buffers (BatchNorm) from rank 0."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.disc.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        for b in self.disc.buffers():
+            dist.broadcast(b, 0)
 
     def log_stats(self) -> Dict[str, float]:
         """The last step's losses, lambda and mean logits, as floats (for metrics.jsonl)."""
