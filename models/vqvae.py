@@ -99,6 +99,17 @@ def _readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def architecture(arch: str = "vqvae") -> tuple:
+    """(encoder class, decoder class) for a config's ``"arch"``: ``vqvae`` (this module's) or ``vqgan``
+    (diffusers' VQModel encoder/decoder, :mod:`ddcl_vq.models.vqgan`)."""
+    if arch == "vqvae":
+        return Encoder, Decoder
+    if arch == "vqgan":
+        from .vqgan import VQGANDecoder, VQGANEncoder
+        return VQGANEncoder, VQGANDecoder
+    raise ValueError(f"expected arch 'vqvae' or 'vqgan', got {arch!r}")
+
+
 def build_quantizer_from_config(quantizer_type: str, kwargs: Dict[str, Any]) -> Quantizer:
     """``QUANTIZER_TYPES[quantizer_type](**kwargs)`` (kwargs hold ``num_codes`` and ``dim``)."""
     if quantizer_type not in QUANTIZER_TYPES:
@@ -138,9 +149,10 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                    if k not in config]
         if missing:
             raise ValueError(f"expected a VQVAE config with {', '.join(missing)}; got keys {sorted(config)}")
-        encoder = Encoder(**config["encoder_kwargs"])
+        encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
+        encoder = encoder_cls(**config["encoder_kwargs"])
         quantizer = build_quantizer_from_config(config["quantizer_type"], dict(config["quantizer_kwargs"]))
-        model = cls(encoder, quantizer, Decoder(**config["decoder_kwargs"]))
+        model = cls(encoder, quantizer, decoder_cls(**config["decoder_kwargs"]))
         model.config = copy.deepcopy(dict(config))
         model.config.setdefault("format", CONFIG_FORMAT)
         return model

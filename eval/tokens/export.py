@@ -53,6 +53,8 @@ class ExportOptions:
     run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
     out_dir: str = option(help="the model folder to write", positional=True)
     overwrite: bool = option(False, "replace the files of an earlier export in OUT_DIR")
+    format: str = option("ddcl-vq", "ddcl-vq (VQVAE.from_pretrained) or diffusers (a model.arch vqgan run as a "
+                                    "plain diffusers.VQModel folder; see eval/tokens/export_diffusers.py)")
     push_to_hub: Optional[str] = option(None, "also upload OUT_DIR to this Hugging Face Hub repository "
                                                "(needs network and a token: hf auth login)", metavar="USER/NAME")
     private: bool = option(False, "with --push-to-hub: create the repository private")
@@ -124,7 +126,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
         raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
     if out_dir.resolve() == run_dir.resolve():
         raise ExportError("OUT_DIR must not be the run directory")
-    factor = 2 ** cfg.model.num_downsamples
+    factor = 2 ** (len(cfg.model.ch_mult) - 1 if getattr(cfg.model, "arch", "vqvae") == "vqgan"
+                   else cfg.model.num_downsamples)
     model.config.update({
         "source": {"name": cfg.run.name, "run": str(run_dir), "checkpoint": Path(ckpt).name, "step": step,
                    "train_steps": cfg.train.steps},
@@ -176,7 +179,7 @@ def _umask() -> int:
     return umask
 
 
-def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
+def push(out_dir: str | Path, repo_id: str, private: bool = False, files=FILES) -> str:
     """Upload the exported folder to the Hugging Face Hub; -> the repository URL."""
     try:
         from huggingface_hub import HfApi
@@ -184,7 +187,7 @@ def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
         api = HfApi()
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
-                          allow_patterns=list(FILES), commit_message="ddcl-vq export")
+                          allow_patterns=list(files), commit_message="ddcl-vq export")
         return str(url)
     except Exception as err:  # network, auth, name: all things the user fixes
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -196,6 +199,20 @@ def push(out_dir: str | Path, repo_id: str, private: bool = False) -> str:
 @entry_point("ddcl-vq export")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
+    if opts.format not in ("ddcl-vq", "diffusers"):
+        raise ExportError(f"option --format: expected ddcl-vq or diffusers, got {opts.format!r}")
+    if opts.format == "diffusers":  # a VQGAN run as a plain diffusers.VQModel folder
+        from .export_diffusers import export_diffusers, report
+        done = export_diffusers(opts.run_dir, opts.out_dir, opts.overwrite)
+        text = report(done, opts.out_dir, opts.quiet)
+        if text:
+            print(text)
+        if opts.push_to_hub:
+            from .export_diffusers import FILES as DIFFUSERS_FILES
+            url = push(opts.out_dir, opts.push_to_hub, opts.private, DIFFUSERS_FILES)
+            if not opts.quiet:
+                print(f"pushed to {url}")
+        return 0
     done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
     if done["step"] < done["train_steps"]:
         print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
