@@ -12,7 +12,7 @@ from torch import nn
 
 from ddcl_vq import Quantizer
 from ddcl_vq.models import VQVAE, Decoder, Encoder
-from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, build_quantizer_from_config
+from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, architecture, build_quantizer_from_config
 
 from .config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
 from .errors import one_line
@@ -97,6 +97,13 @@ def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) 
 def model_config(cfg: Config, in_channels: int) -> Dict[str, Any]:
     """``VQVAE.from_config``'s config for this training config (what config.json of an export holds)."""
     m = cfg.model
+    if m.arch == "vqgan":  # diffusers' VQModel encoder/decoder (ddcl_vq.models.vqgan)
+        common = dict(ch=m.ch, ch_mult=list(m.ch_mult), num_res_blocks=m.num_res_blocks,
+                      attn_resolutions=list(m.attn_resolutions), resolution=cfg.data.image_size,
+                      z_channels=m.z_channels, latent_dim=m.latent_dim, norm_groups=m.norm_groups)
+        return {"format": CONFIG_FORMAT, "arch": "vqgan", "encoder_kwargs": dict(in_channels=in_channels, **common),
+                "decoder_kwargs": dict(out_channels=in_channels, **common), "quantizer_type": cfg.quantizer.type,
+                "quantizer_kwargs": quantizer_kwargs(cfg.quantizer, m.latent_dim, cfg.train.steps)}
     common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
                   latent_dim=m.latent_dim, res_hidden=m.res_hidden)
     return {"format": CONFIG_FORMAT, "encoder_kwargs": dict(in_channels=in_channels, **common),
@@ -109,9 +116,10 @@ def build_model(cfg: Config, in_channels: int) -> VQVAE:
     ConfigError (``build_quantizer``); the model remembers its config (``save_pretrained``)."""
     config = model_config(cfg, in_channels)
     # built in this order (encoder, quantizer, decoder), as from_config does: initialisation follows the seed
-    encoder = Encoder(**config["encoder_kwargs"])
+    encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
+    encoder = encoder_cls(**config["encoder_kwargs"])
     quantizer = build_quantizer(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps)
-    model = VQVAE(encoder, quantizer, Decoder(**config["decoder_kwargs"]))
+    model = VQVAE(encoder, quantizer, decoder_cls(**config["decoder_kwargs"]))
     model.config = config
     return model
 

@@ -73,12 +73,21 @@ class DataConfig:
     test_photos: List[str] = field(default_factory=lambda: list(NATURAL_TEST_PHOTOS))
     num_workers: Optional[int] = None       # DataLoader workers; null = auto: image_folder min(4, cores/2),
                                              # 0 for the in-memory datasets (batches gathered in one indexing op)
+    augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (seeded
+                                             # random-resized crop + horizontal flip; test: centre crop)
 
 
 #: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels
 #: (which come from the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents
 #: at 2), latent_dim (D), res_hidden
-ModelConfig = dataclasses.make_dataclass("ModelConfig", signature_fields(Encoder.__init__, skip=("in_channels",)))
+#: then the VQGAN architecture (model.arch: vqgan; ddcl_vq.models.vqgan, diffusers' encoder/decoder):
+#: ch, ch_mult, attn_resolutions, z_channels, norm_groups (num_res_blocks and latent_dim = D shared)
+VQGAN_MODEL_FIELDS = [("arch", str, field(default="vqvae")), ("ch", int, field(default=128)),
+                      ("ch_mult", List[int], field(default_factory=lambda: [1, 1, 2, 2, 4])),
+                      ("attn_resolutions", List[int], field(default_factory=lambda: [16])),
+                      ("z_channels", int, field(default=256)), ("norm_groups", int, field(default=32))]
+ModelConfig = dataclasses.make_dataclass("ModelConfig", signature_fields(Encoder.__init__, skip=("in_channels",))
+                                         + VQGAN_MODEL_FIELDS)
 ModelConfig.__module__ = __name__
 ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword arguments and defaults (image channels aside)."
 
@@ -156,12 +165,29 @@ class TrainConfig:
 
 
 @dataclass
+class LossConfig:
+    """The training loss (ddcl_vq.train.losses): the defaults are the plain pixel MSE."""
+    pixel: str = "l2"                        # l1 | l2
+    pixel_weight: float = 1.0
+    perceptual_weight: float = 0.0           # LPIPS (frozen, real ImageNet trunk weights); 0 = off
+    perceptual_net: str = "vgg"              # vgg (taming) | alex
+    disc_weight: float = 0.0                 # PatchGAN adversarial loss weight (times the adaptive lambda); 0 = off
+    disc_start: int = 0                      # the training step the discriminator (and its loss) switches on
+    disc_loss: str = "hinge"                 # hinge | vanilla | non_saturating
+    disc_layers: int = 3
+    disc_channels: int = 64
+    disc_lr: Optional[float] = None          # the discriminator's Adam lr (beta 0.5, 0.9); null = train.lr
+    adaptive_weight: bool = True             # lambda = ||grad L_rec|| / (||grad L_G|| + 1e-4) at the decoder's last layer
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -190,11 +216,18 @@ CHOICES = {
     "train.lr_schedule": ("constant", "cosine"),
     "train.amp": ("none", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
+    "model.arch": ("vqvae", "vqgan"),
+    "data.augment": ("none", "crop_flip"),
+    "loss.pixel": ("l1", "l2"),
+    "loss.perceptual_net": ("vgg", "alex"),
+    "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
 }
 POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels",
             "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
             "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
-            "train.checkpoint_every", "train.image_every", "train.usage_window"}
+            "train.checkpoint_every", "train.image_every", "train.usage_window",
+            "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups", "loss.disc_layers",
+            "loss.disc_channels"}
 #: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
 #: moves them instead, for the resolved config.yaml of runs written before the move)
 RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
@@ -205,7 +238,9 @@ LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "r
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
                 "quantizer.restart_step", "quantizer.warmup_steps",
                 "quantizer.revive_threshold",
-                "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images"}
+                "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images",
+                "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight", "loss.disc_weight",
+                "loss.disc_start"}
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
@@ -251,13 +286,19 @@ def validate(cfg: Config) -> None:
     check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
     check_photos(cfg.data.train_photos, cfg.data.test_photos)
     size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
-    if size % factor:
+    if cfg.model.arch == "vqgan":
+        _validate_vqgan(cfg)
+    elif size % factor:
         lower, upper = size // factor * factor, (size // factor + 1) * factor
         halvings = (size & -size).bit_length() - 1  # how often size itself can be halved
         hint = (f"e.g. {lower} or {upper}" if lower else
                 f"e.g. {upper}, or model.num_downsamples={halvings} or fewer for {size}-pixel images")
         raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "
                           f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; {hint}")
+    _validate_loss(cfg)
+    if cfg.data.augment != "none" and cfg.data.name != "image_folder":
+        raise ConfigError(f"config key 'data.augment': {cfg.data.augment!r} is for data.name image_folder, got "
+                          f"{cfg.data.name!r}; use data.augment=none")
     decay = cfg.quantizer.decay
     if decay is not None and not 0 <= decay < 1:
         raise ConfigError(f"config key 'quantizer.decay': expected 0 <= decay < 1 (or null for the quantizer's "
@@ -273,6 +314,33 @@ def validate(cfg: Config) -> None:
         if cfg.quantizer.type != qtype and getattr(cfg.quantizer, key):
             raise ConfigError(f"config key 'quantizer.{key}': only used with quantizer.type {qtype!r}, got type "
                               f"{cfg.quantizer.type!r}")
+
+
+def _validate_vqgan(cfg: Config) -> None:
+    """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups;
+    the loss section's discriminator fits the images."""
+    m, size = cfg.model, cfg.data.image_size
+    if not m.ch_mult:
+        raise ConfigError("config key 'model.ch_mult': expected at least one multiplier, got []")
+    factor = 2 ** (len(m.ch_mult) - 1)
+    if size % factor:
+        raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the VQGAN encoder halves "
+                          f"the image len(model.ch_mult) - 1 = {len(m.ch_mult) - 1} times), got {size}")
+    bad = [m.ch * k for k in m.ch_mult if (m.ch * k) % m.norm_groups]
+    if bad or m.z_channels < 1:
+        raise ConfigError(f"config key 'model.norm_groups': expected every block width model.ch x model.ch_mult "
+                          f"to be a multiple of {m.norm_groups} (GroupNorm), got widths {bad}")
+
+
+def _validate_loss(cfg: Config) -> None:
+    lc = cfg.loss
+    if lc.disc_lr is not None and not lc.disc_lr > 0:
+        raise ConfigError(f"config key 'loss.disc_lr': expected a value > 0 (or null for train.lr), got {lc.disc_lr!r}")
+    if lc.disc_weight > 0:
+        need = 3 * 2 ** lc.disc_layers
+        if cfg.data.image_size < need:
+            raise ConfigError(f"config key 'loss.disc_layers': a {lc.disc_layers}-layer PatchGAN needs images of at "
+                              f"least {need}px, got data.image_size={cfg.data.image_size}; lower loss.disc_layers")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -35,6 +35,7 @@ from .checkpoint import latest_checkpoint, load_into, prune_periodic, save_check
 from .config import Config, dump_config
 from .data import EpochBatches, build_dataset, image_channels, make_loader, resolve_workers
 from .errors import UserError, one_line
+from .losses import GANStep
 from .progress import Progress
 from .memory import NotEnoughMemory, check_fits
 from .rundir import (RunLock, check_resume, check_run_dir_setting, finished_summary, first_missing,
@@ -106,6 +107,7 @@ class Checkpoints:
         self.cfg, self.device, self.world, self.is_main = cfg, device, world, is_main
         self.model = self.optimizer = self.scheduler = None
         self.log_state: Optional[LogState] = None  # the log's running figures, resumed with the run
+        self.extra: Dict = {}  # more state to save and resume, by name (the VQGAN loss's discriminator: "gan")
         self.found = latest_checkpoint(self.dir, map_location=device) if self.dir.is_dir() else None
         self.step = int(self.found[0]["step"]) if self.found else 0
 
@@ -125,6 +127,8 @@ class Checkpoints:
         load_into(model, state["model"], path, "model")
         load_into(optimizer, state["optimizer"], path, "optimizer")
         load_into(scheduler, state["scheduler"], path, "learning-rate schedule")
+        for name, part in self.extra.items():
+            load_into(part, state.get(name, {}), path, name)
         if self.log_state is not None:
             self.log_state.load_state_dict(state.get("log_state"), self.is_main)
         _set_rng_state(state["rng"], self.device)
@@ -143,6 +147,7 @@ class Checkpoints:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "step": step, "rng": _rng_state(self.device),
                  "config": self.cfg.to_dict()}
+        state.update({name: part.state_dict() for name, part in self.extra.items()})
         if log_state is not None:
             state["log_state"] = log_state
         save_checkpoint(state, self.dir / "last.pt")
@@ -197,6 +202,7 @@ class RunLog:
                  is_main: bool, quiet: bool, state: Optional["LogState"] = None):
         self.cfg, self.t, self.model, self.preview = cfg, cfg.train, model, preview
         self.state = state if state is not None else LogState(model, device)  # resumed with the run
+        self.extra_stats: Callable[[], Dict] = dict
         self.writer = self.metrics = self.progress = None
         run_dir = Path(cfg.run.dir)
         if is_main:
@@ -250,6 +256,7 @@ class RunLog:
         if "revived" in record:  # cumulative (codes re-seeded since the run began); revived_new: since the last line
             record["revived_new"] = record["revived"] - self.state.revived_logged
             self.state.revived_logged = record["revived"]
+        record.update(self.extra_stats())  # the VQGAN loss: its parts, lambda, logits on real and fake
         if self.state.stats is not None:
             w = self.state.stats
             record.update(utilization_window=w.utilization, dead_codes_window=w.dead_codes,
@@ -365,8 +372,15 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
     train_set = build_dataset(cfg.data, "train", cfg.run.seed)
     test_set = build_dataset(cfg.data, "test", cfg.run.seed)
     model = build_model(cfg, image_channels(cfg.data)).to(device)
+    if t.init_from and checkpoints.found is None:  # a new run from an exported model (a resumed one has its own)
+        from .init_from import init_from_export
+        init_from_export(model, t.init_from)
     optimizer = build_optimizer(model, t, cfg.quantizer.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    # the loss section beyond the plain MSE (perceptual, discriminator): None for the defaults
+    gan = GANStep.from_config(cfg, model, image_channels(cfg.data), device, world)
+    if gan is not None:
+        checkpoints.extra["gan"] = gan
     # The training batches' iterator is made BEFORE the RNG state is restored: making a DataLoader
     # iterator draws its base seed from the global RNG, which training draws from too (DDCL's revival,
     # torch.multinomial). A straight run draws it here, after building the model; a resumed run
@@ -388,7 +402,7 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
     t_start = time.time()
     if step < t.steps:
         step = _steps(cfg, env, model, optimizer, scheduler, checkpoints, batches, test_set, step, quiet,
-                      stop_after)
+                      stop_after, gan)
     batches = None  # the training loader's worker processes (if any) end here, before the evaluation
     train_seconds = time.time() - t_start
 
@@ -416,7 +430,7 @@ def _train(cfg: Config, env: Dict, quiet: bool, stop_after: Optional[int]) -> Di
 
 
 def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoints: Checkpoints, batches, test_set,
-           step: int, quiet: bool, stop_after: Optional[int]) -> int:
+           step: int, quiet: bool, stop_after: Optional[int], gan: Optional[GANStep] = None) -> int:
     """The training steps of this session, from ``step``, over ``batches`` (an iterator of (images,
     labels) that starts at ``step``); -> the step reached."""
     world, device, is_main = env["world"], env["device"], env["rank"] == 0
@@ -430,6 +444,8 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
     autocast, scaler = _mixed_precision(t.amp, device)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
     log = RunLog(cfg, model, preview, step, device, is_main, quiet, checkpoints.log_state)
+    if gan is not None:
+        gan.autocast, log.extra_stats = autocast, gan.log_stats
 
     first_step = step
     ddp_model.train()
@@ -443,8 +459,12 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
             x = images.to(device, non_blocking=True)
             with autocast():
                 out = ddp_model(x)
-            recon_loss = F.mse_loss(out.reconstruction.float(), x)
-            loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
+            if gan is None:
+                recon_loss = F.mse_loss(out.reconstruction.float(), x)
+                loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
+            else:  # the loss section: pixel, perceptual, adversarial (recon_loss: the pixel MSE, logged)
+                loss, recon_loss = gan.generator_loss(x, out.reconstruction, t.quantizer_loss_weight * out.quantizer.loss,
+                                                      step)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
             optimizer.zero_grad(set_to_none=True)
@@ -455,6 +475,8 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
+            if gan is not None:
+                gan.discriminator_step(x, out.reconstruction, step)
             model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
             step += 1
 
