@@ -149,9 +149,13 @@ def latest_checkpoint(ckpt_dir: Path, map_location="cpu") -> Optional[Tuple[Dict
         return None
     loaded, errors = [], []
     for path in candidates:
+        if not path.exists():  # removed since it was listed: a running training pruned (or replaced) it
+            continue
         try:
             loaded.append((load_checkpoint(path, map_location), path))
         except CheckpointError as err:
+            if not path.exists():  # removed while it was being read: the same, quietly
+                continue
             errors.append(str(err))
             print(f"warning: {err}; trying an older checkpoint", file=sys.stderr)
     if not loaded:

@@ -162,6 +162,8 @@ class TrainConfig:
     usage_window: int = 100                  # steps per windowed utilization / dead-code figure
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
+    init_from: Optional[str] = None          # start a new run from an exported model folder or Hub id: its weights
+                                             # and codebook state, step 0 (train/init_from.py)
 
 
 @dataclass
