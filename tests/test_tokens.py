@@ -286,3 +286,111 @@ def test_push_to_hub_uploads_the_export_and_a_failure_is_one_line(runs, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "upload to the hub repository 'me/tiny' failed" in err[0]
     assert VQVAE.from_pretrained(str(out)).quantizer.num_codes == 32  # the export itself is complete
+
+
+# --------------------------------------------------------------------------- the token path without seams
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exported") / "ddcl"
+    export_run(runs["ddcl"], out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32, np.int64])
+def test_decode_indices_takes_any_integer_dtype_as_maps_or_flat_sequences(dtype, exported, images):
+    model = VQVAE.from_pretrained(str(exported))
+    grid = model.encode_indices(images[0][:6]).numpy()
+    hard = model.reconstruct(images[0][:6], "hard")
+    assert model.latent_shape() == (8, 8)
+    codes = grid.astype(dtype)
+    for layout in (codes, codes.reshape(6, 64)):  # (N, h, w) maps and what a prior emits, (N, h*w)
+        assert torch.equal(model.decode_indices(torch.from_numpy(layout)), hard)
+        assert torch.equal(decode_indices(model, layout), hard.clamp(0, 1))
+    assert torch.equal(model.decode_indices(torch.from_numpy(codes.reshape(6, 64)), shape=(8, 8)), hard)
+    with pytest.raises(ValueError, match=r"h\*w = 8\*8 = 64 indices .* got 60"):
+        model.decode_indices(torch.from_numpy(codes.reshape(-1)[:360].reshape(6, 60)))
+    with pytest.raises(ValueError, match="expected integer code indices, got dtype torch.float32"):
+        model.decode_indices(torch.from_numpy(codes.astype(np.float32)))
+
+
+def test_decode_command_reads_flat_uint16_tokens_and_an_explicit_shape(runs, exported, tmp_path, capsys):
+    grid = tmp_path / "grid.npy"
+    assert cli.main(["tokenize", str(exported), "--split", "test", "--max-images", "12", "--out", str(grid),
+                     "--quiet"]) == 0
+    codes = np.load(grid)
+    np.save(tmp_path / "flat16.npy", codes.reshape(12, 64).astype(np.uint16))
+    pngs = {}
+    for name, source, tokens, extra in [("grid", exported, grid, []), ("flat", exported, "flat16.npy", []),
+                                         ("run", runs["ddcl"], "flat16.npy", []),
+                                         ("shape", exported, "flat16.npy", ["--shape", "8", "8"])]:
+        out = tmp_path / f"{name}.png"
+        assert cli.main(["decode", str(source), str(tmp_path / tokens), "--out", str(out)] + extra) == 0, name
+        pngs[name] = out.read_bytes()
+    assert "12 images of 1x32x32" in capsys.readouterr().out
+    assert pngs["flat"] == pngs["grid"] == pngs["run"] == pngs["shape"]
+    np.save(tmp_path / "bad.npy", codes.reshape(12, 64)[:, :60])
+    assert cli.main(["decode", str(exported), str(tmp_path / "bad.npy"), "--out", str(tmp_path / "b.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "H*W = 8*8 = 64 codes (the model's latent grid), got 60" in err[0]
+    assert not (tmp_path / "b.png").exists()
+
+
+def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exported, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    assert cli.main(["tokenize", str(runs["ddcl"]), "--split", "test", "--max-images", "20",
+                     "--out", str(tmp_path / "run.safetensors"), "--quiet"]) == 0
+    assert cli.main(["tokenize", str(exported), "--split", "test", "--max-images", "20",
+                     "--out", str(tmp_path / "export.safetensors"), "--quiet"]) == 0
+    a, la, meta = read_tokens(tmp_path / "run.safetensors")
+    b, lb, meta_b = read_tokens(tmp_path / "export.safetensors")
+    assert np.array_equal(a, b) and np.array_equal(la, lb) and meta_b["num_codes"] == "32"
+    # a Hub id, read from the local Hugging Face cache (offline: what a download leaves there)
+    cache = tmp_path / "hub"
+    revision = "0" * 40
+    snapshot = cache / "models--me--tiny-ddcl" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (cache / "models--me--tiny-ddcl" / "refs").mkdir()
+    (cache / "models--me--tiny-ddcl" / "refs" / "main").write_text(revision)
+    for name in ("config.json", "model.safetensors"):
+        (snapshot / name).write_bytes((exported / name).read_bytes())
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq.eval", "tokenize", "me/tiny-ddcl", "--split", "test",
+                           "--max-images", "20", "--out", str(tmp_path / "hub.npy"), "--quiet"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(np.load(tmp_path / "hub.npy"), a)
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq.eval", "decode", "me/not-there", str(tmp_path / "hub.npy"),
+                           "--out", str(tmp_path / "g.png")], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and err[-1].startswith("ddcl-vq decode: error: cannot load the exported model "
+                                                       "'me/not-there' (not a folder here, so read as a Hugging Face Hub id)")
+
+
+def test_init_from_starts_a_new_run_from_an_export_and_refuses_another_shape(exported, tmp_path, capsys):
+    from ddcl_vq.train.builders import build_model
+    from ddcl_vq.train.init_from import NEW_RUN_STATE, init_from_export
+
+    cfg = load_config(ROOT / CONFIGS["ddcl"], TINY + [f"run.dir={tmp_path / 'ft'}", f"train.init_from={exported}",
+                                                       "train.steps=2", "quantizer.temperature_schedule=constant"])
+    model = build_model(cfg, 1)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    init_from_export(model, str(exported))
+    source = VQVAE.from_pretrained(str(exported)).state_dict()
+    for key, value in model.state_dict().items():  # the export's weights and codebook state; the run's own schedule
+        assert torch.equal(value, fresh[key] if key in NEW_RUN_STATE else source[key]), key
+    assert int(model.quantizer.schedule_step) == 0 and bool(model.quantizer.initialized)
+
+    summary = train(cfg, quiet=True)  # a new run: step 0 -> 2, its own checkpoints
+    steps = [json.loads(line)["step"] for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 2 and summary["step"] == 2
+    assert cli.main(["train", "--config", str(ROOT / CONFIGS["ddcl"]), *TINY, "model.channels=32",
+                     "quantizer.num_codes=64", f"run.dir={tmp_path / 'other'}", f"train.init_from={exported}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ddcl-vq train: error: train.init_from" in err[0]
+    assert "model.channels: export 16, this config 32" in err[0] and "quantizer.num_codes: export 32, this config 64" in err[0]
+    assert not (tmp_path / "other" / "checkpoints").exists()
