@@ -30,11 +30,11 @@ from ddcl_vq.train.loop import train
 from ddcl_vq.train.memory import NotEnoughMemory, check_fits, estimate
 from ddcl_vq.train.rundir import RunDirError
 from ddcl_vq.train.yamlfile import MAX_VALUES
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=32", "data.batch_size=16", "train.eval_images=16", "train.log_every=1",
-        "train.image_every=1000", "train.usage_window=5"]
+TINY = TINY_MODEL + ["quantizer.num_codes=32", "data.batch_size=16", "train.eval_images=16", "train.log_every=1",
+                     "train.image_every=1000", "train.usage_window=5"]
 
 
 def one_error_line(capsys, prog="train"):
@@ -417,3 +417,30 @@ def test_codebook_lr_only_for_a_codebook_with_a_learning_rate_and_revived_is_cum
     train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "quantizer.codebook_update=gradient",
                                                                    f"run.dir={gradient}"]), quiet=True)
     assert all(r["codebook_lr"] == pytest.approx(r["lr"] * 3.0) for r in records(gradient))
+
+
+def test_new_errors_are_user_errors_and_a_refused_allocation_is_one_line(capsys):
+    from ddcl_vq.train.checkpoint import CheckpointWriteError
+    from ddcl_vq.train.data import UnfaithfulImage
+    from ddcl_vq.train.errors import UserError, entry_point
+
+    for cls in (CheckpointWriteError, NotEnoughMemory, RunDirError):
+        assert issubclass(cls, UserError), cls
+    assert issubclass(UnfaithfulImage, ValueError)  # raised inside the loader; named by UnreadableImage
+
+    @entry_point("ddcl-vq x")
+    def main(argv):
+        if argv == ["torch"]:
+            torch.empty(1 << 60, dtype=torch.uint8)  # the CPU allocator refuses: RuntimeError
+        elif argv == ["python"]:
+            bytearray(1 << 62)  # MemoryError
+        else:
+            raise RuntimeError("a bug")
+
+    for what in ("torch", "python"):
+        assert main([what]) == 2
+        assert "ddcl-vq x: error: out of memory (" in one_error_line(capsys, "x")
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        main(["other"])
+    with pytest.raises(MemoryError):
+        main(["python", "--debug"])

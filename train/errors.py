@@ -3,9 +3,9 @@
 Errors a user can fix by changing what they asked for (a config key, an option, a missing
 dataset, an unreadable checkpoint, a run directory that cannot be evaluated, ...) derive from
 :class:`UserError`. Every command's ``main`` is wrapped in :func:`entry_point`, which turns a
-UserError — or an OSError from the machine (a full disk, a path that cannot be written) — into
-one line, ``ddcl-vq CMD: error: <message>``, and exit status 2; ``--debug`` (any command) shows
-the traceback instead. Anything else is a bug and keeps its traceback.
+UserError — or an OSError or refused allocation from the machine (a full disk, a path that cannot
+be written, out of memory) — into one line, ``ddcl-vq CMD: error: <message>``, and exit status 2;
+``--debug`` (any command) shows the traceback instead. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def one_line(err: BaseException) -> str:
     return (text.splitlines() or [type(err).__name__])[0]
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """An allocation the machine refused: MemoryError, torch.OutOfMemoryError (a GPU), or the CPU
+    allocator's RuntimeError ("can't allocate memory")."""
+    return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
+            or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)))
+
+
 def entry_point(prog: str) -> Callable:
     """Decorator for a command's ``main(argv) -> int``: UserError or OSError -> ``PROG: error: ...``
     on stderr, exit status 2; ``--debug`` anywhere in argv: the traceback instead."""
@@ -68,6 +75,12 @@ def entry_point(prog: str) -> Callable:
                     raise
                 print(f"{prog}: error: {one_line(err)} ({type(err).__name__}; {DEBUG_FLAG} shows the traceback)",
                       file=sys.stderr)
+                return 2
+            except (MemoryError, RuntimeError) as err:  # the machine had no memory left for what was asked
+                if debug or not out_of_memory(err):
+                    raise
+                print(f"{prog}: error: out of memory ({one_line(err)}); ask for less (a smaller model, codebook or "
+                      f"batch) or free memory ({DEBUG_FLAG} shows the traceback)", file=sys.stderr)
                 return 2
         return run
 
