@@ -21,12 +21,13 @@ pytest.importorskip("vector_quantize_pytorch")
 
 from ddcl_vq import CodebookUsage, FSQQuantizer, LFQQuantizer, QuantizerOutput, SimVQQuantizer  # noqa: E402
 from ddcl_vq.fsq import FSQ_LEVELS, fsq_levels  # noqa: E402
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = {
     "fsq": lambda k, d: FSQQuantizer(k, d),
     "simvq": lambda k, d: SimVQQuantizer(k, d),
-    "simvq_fair": lambda k, d: SimVQQuantizer(k, d, rotation_trick=False, codebook_bias=True),
+    "simvq_fair": lambda k, d: SimVQQuantizer(k, d, rotation_trick=False, codebook_bias=True, data_init=True),
     "lfq": lambda k, d: LFQQuantizer(k, d),
 }
 
@@ -128,6 +129,34 @@ def test_simvq_codebook_is_the_frozen_codes_through_the_map():
         SimVQQuantizer(128, 16, channel_first=True)
 
 
+def test_simvq_data_init_matches_the_first_batch():
+    """Features far from the origin and tightly spread (as a young encoder's are): the library's start
+    reaches them with a handful of codes; the moment-matched start puts the codes where they are."""
+    torch.manual_seed(0)
+    z = torch.randn(64, 16, 4, 4) * 0.01 + 0.3
+    plain = SimVQQuantizer(256, 16)
+    q = SimVQQuantizer(256, 16, codebook_bias=True, data_init=True)
+    assert not bool(q.initialized) and "initialized" in q.state_dict()
+    with torch.no_grad():
+        q.eval()(z)
+        assert not bool(q.initialized)  # evaluation never initialises
+        out = q.train()(z)
+        few = plain.train()(z).indices.unique().numel()
+    assert bool(q.initialized)
+    flat = z.permute(0, 2, 3, 1).reshape(-1, 16).double()
+    codes = q.codebook.detach().double()
+    assert torch.allclose(q.vq.code_transform.bias.double(), flat.mean(0), atol=1e-5)
+    # W C^T C W^T / K ~ cov: the codes' spread matches the features' within sampling error
+    assert codes.std(0).mean().item() == pytest.approx(flat.std(0).mean().item(), rel=0.15)
+    assert out.indices.unique().numel() > 4 * few, (out.indices.unique().numel(), few)
+    before = q.vq.code_transform.weight.detach().clone()
+    with torch.no_grad():
+        q(z * 2)
+    assert torch.equal(before, q.vq.code_transform.weight)  # once only
+    with pytest.raises(ValueError, match="codebook_bias=True"):
+        SimVQQuantizer(256, 16, data_init=True)
+
+
 def test_lfq_needs_a_power_of_two():
     with pytest.raises(ValueError, match="power of 2"):
         LFQQuantizer(1000, 8)
@@ -174,9 +203,8 @@ def test_config_keys_build_the_peers():
         build_quantizer(load_config(None, ["quantizer.type=lfq", "quantizer.num_codes=1000"]).quantizer, 8)
 
 
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "data.batch_size=32", "train.steps=6", "train.log_every=2", "train.checkpoint_every=3",
-        "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+TINY = TINY_MODEL + ["data.batch_size=32", "train.steps=6", "train.log_every=2", "train.checkpoint_every=3",
+                     "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
 
 
 def _cli(*args, capsys):

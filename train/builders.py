@@ -41,7 +41,7 @@ def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -
 PEER_TYPES = ("vqp", "fsq", "simvq", "lfq")
 #: quantizer.<type> sections passed to a vector-quantize-pytorch class as keyword arguments:
 #: type -> (the class, keyword arguments our wrapper adds)
-PEER_SECTIONS = {"vqp": ("VectorQuantize", ()), "simvq": ("SimVQ", ("codebook_bias",)), "lfq": ("LFQ", ())}
+PEER_SECTIONS = {"vqp": ("VectorQuantize", ()), "simvq": ("SimVQ", ("codebook_bias", "data_init")), "lfq": ("LFQ", ())}
 
 
 def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
