@@ -12,9 +12,9 @@ from ddcl_vq import CodebookUsage
 from ddcl_vq.train.builders import build_model, build_optimizer
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import EpochBatches, build_dataset
+from conftest import TINY_MODEL
 
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=64", "data.batch_size=32"]
+TINY = TINY_MODEL + ["quantizer.num_codes=64", "data.batch_size=32"]
 
 
 def main(out_dir: str, steps: int) -> None:

@@ -13,6 +13,7 @@ from ddcl_vq.train.builders import build_model
 from ddcl_vq.train.checkpoint import load_checkpoint
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import build_dataset
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,8 +57,7 @@ def test_usage_counts_summed_across_ranks_equal_single_process(worker_results, q
     saved = torch.load(worker_results / f"{qtype}_rank0.pt", weights_only=True)
     other = torch.load(worker_results / f"{qtype}_rank1.pt", weights_only=True)
     assert torch.equal(saved["counts"], other["counts"])  # every rank reports the global counts
-    cfg = load_config(None, ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1",
-                             "model.latent_dim=8", "quantizer.num_codes=64", f"quantizer.type={qtype}"])
+    cfg = load_config(None, TINY_MODEL + ["quantizer.num_codes=64", f"quantizer.type={qtype}"])
     model = build_model(cfg, 1)
     model.load_state_dict(saved["state"])
     model.eval()
@@ -72,8 +72,7 @@ def test_usage_counts_summed_across_ranks_equal_single_process(worker_results, q
 def test_torchrun_training_writes_once_and_resumes(tmp_path):
     run = tmp_path / "ddp"
     common = ["-m", "ddcl_vq.train", "--config", "configs/fashion_ddcl.yaml", "--quiet", f"run.dir={run}",
-              "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-              "quantizer.num_codes=32", "data.batch_size=32", "train.log_every=2", "train.checkpoint_every=4",
+              *TINY_MODEL, "quantizer.num_codes=32", "data.batch_size=32", "train.log_every=2", "train.checkpoint_every=4",
               "train.eval_images=128", "train.codebook_lr_ratio=2"]
     torchrun(*common, "train.steps=4")
     assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
@@ -91,8 +90,7 @@ def test_distributed_evaluate_equals_single_process(tmp_path):
     from ddcl_vq.train.loop import train as train_run
 
     cfg = load_config("configs/fashion_ddcl.yaml", [
-        f"run.dir={tmp_path / 'run'}", "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1",
-        "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6",
+        f"run.dir={tmp_path / 'run'}", *TINY_MODEL, "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6",
         "train.eval_images=0"])
     train_run(cfg, quiet=True)
     run = tmp_path / "run"

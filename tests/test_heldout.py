@@ -17,12 +17,11 @@ from ddcl_vq.train.config import ConfigError, load_config
 from ddcl_vq.train.data import (NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, PHOTOGRAPHS, build_dataset,
                                 digits_arrays, image_channels, natural_patches)
 from ddcl_vq.train.loop import train
+from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "configs" / "study_heldout.yaml"
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
-        "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+TINY = TINY + ["train.eval_images=0"]
 
 
 def _sha(images: torch.Tensor) -> str:

@@ -19,14 +19,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 # repository folder -> installed package name, lowest layer first
 FOLDERS = {"ddcl_vq": "ddcl_vq", "models": "ddcl_vq.models", "train": "ddcl_vq.train", "eval": "ddcl_vq.eval"}
 LAYER = {name: i for i, name in enumerate(FOLDERS.values())}
 CONCRETE_QUANTIZERS = {"DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer"}
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=0", "train.log_every=1"]
+TINY = TINY_MODEL + ["quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=0", "train.log_every=1"]
 
 
 def project_modules() -> dict:

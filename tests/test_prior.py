@@ -21,11 +21,10 @@ from ddcl_vq.models.prior import CodePrior
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.loop import train
 from ddcl_vq.train.rundir import RunDirError
+from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_TOKENIZER = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-                  "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
-                  "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+TINY_TOKENIZER = TINY + ["train.eval_images=0"]
 TINY_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
               "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2",
               "train.eval_images=64"]

@@ -35,6 +35,7 @@ from ddcl_vq.train.data import DataUnavailable, UnreadableImage
 from ddcl_vq.train.errors import UserError
 from ddcl_vq.train.loop import EndOfRunEvaluationFailed, train
 from ddcl_vq.train.rundir import LOCK_NAME, RunDirError, RunLock
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.eval_images=32"]
@@ -165,8 +166,7 @@ def test_two_trainings_at_once_one_refused_and_one_clean_log(tmp_path):
     run = tmp_path / "two"
     args = [sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", "configs/fashion_hard.yaml",
             f"run.dir={run}", "train.steps=400", "train.log_every=10", "train.checkpoint_every=400",
-            "model.channels=16", "model.res_hidden=8", "model.latent_dim=8", "quantizer.num_codes=32",
-            "data.batch_size=16", "train.eval_images=0"]
+            *TINY_MODEL, "model.num_res_blocks=2", "quantizer.num_codes=32", "data.batch_size=16", "train.eval_images=0"]
     first = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -190,9 +190,8 @@ def test_two_trainings_at_once_one_refused_and_one_clean_log(tmp_path):
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("runs") / "ddcl"
-    tiny = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-            "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.checkpoint_every=3",
-            "train.eval_images=0"]
+    tiny = TINY_MODEL + ["quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.checkpoint_every=3",
+                         "train.eval_images=0"]
     train(load_config("configs/fashion_ddcl.yaml", tiny + [f"run.dir={run}"]), quiet=True)
     return run
 
@@ -320,9 +319,8 @@ def bad_inputs(tmp_path):
     return dict(tmp=tmp_path, file=a_file, images=images, few=few, empty_test=empty_test)
 
 
-TRAIN = ["train", "--quiet", "--config", "configs/fashion_ddcl.yaml", "model.channels=16", "model.res_hidden=8",
-         "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=16", "train.steps=2",
-         "train.eval_images=16"]
+TRAIN = ["train", "--quiet", "--config", "configs/fashion_ddcl.yaml", *TINY_MODEL, "model.num_res_blocks=2",
+         "quantizer.num_codes=32", "data.batch_size=16", "train.steps=2", "train.eval_images=16"]
 CASES = {
     "run.dir is a file": (lambda d: TRAIN + [f"run.dir={d['file']}"], "run.dir '{file}' is a file, expected a directory"),
     "run.dir cannot be written": (lambda d: TRAIN + ["run.dir=/proc/ddcl-vq-test/run"],

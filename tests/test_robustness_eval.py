@@ -32,11 +32,11 @@ from ddcl_vq.eval.tokens.export import export_run
 from ddcl_vq.models import VQVAE
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.loop import train
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.checkpoint_every=3",
-        "train.eval_images=0"]
+TINY = TINY_MODEL + ["quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.checkpoint_every=3",
+                     "train.eval_images=0"]
 OUTPUTS = ("table.md", "table.csv", "table.json", "usage_histograms.png", "usage_over_training.png",
            "psnr_vs_utilization.png", "reconstructions.png")
 

@@ -19,6 +19,7 @@ from ddcl_vq.train.cli import main as train_main
 from ddcl_vq.train.config import RENAMED, Config, ConfigError, load_config
 from ddcl_vq.train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
 from ddcl_vq.train.loop import train
+from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,9 +69,8 @@ def test_resume_equals_straight_run(tiny_config, tmp_path):
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "killed"
     args = [sys.executable, "-m", "ddcl_vq.train", "--config", "configs/fashion_hard.yaml", "--quiet",
-            f"run.dir={run}", "train.steps=400", "train.checkpoint_every=2", "model.channels=16",
-            "model.res_hidden=8", "model.latent_dim=8", "quantizer.num_codes=32", "data.batch_size=32",
-            "train.eval_images=64"]
+            f"run.dir={run}", "train.steps=400", "train.checkpoint_every=2", *TINY_MODEL, "model.num_res_blocks=2",
+            "quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=64"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = run / "checkpoints" / "last.pt"
     deadline = time.time() + 120

@@ -162,6 +162,8 @@ class TrainConfig:
     usage_window: int = 100                  # steps per windowed utilization / dead-code figure
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
+    threads: Optional[int] = None            # torch intra-op CPU threads per process; null = auto: OMP_NUM_THREADS
+                                             # if set, else half the cores, at most 4 (train/threads.py)
     init_from: Optional[str] = None          # start a new run from an exported model folder or Hub id: its weights
                                              # and codebook state, step 0 (train/init_from.py)
 
@@ -205,15 +207,6 @@ class Config:
 CHOICES = {
     "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
     "quantizer.type": tuple(QUANTIZER_TYPES),
-    # DDCLQuantizer's allowed values, as the library states them
-    "quantizer.mode": _ddcl.MODES,
-    "quantizer.codebook_init": _ddcl.INITS,
-    "quantizer.temperature_reference": _ddcl.TEMPERATURE_REFERENCES,
-    "quantizer.codebook_update": _ddcl.CODEBOOK_UPDATES,
-    "quantizer.encoder_gradient": _ddcl.ENCODER_GRADIENTS,
-    "quantizer.revive_criterion": _ddcl.REVIVE_CRITERIA,
-    "quantizer.implementation": _ddcl.IMPLEMENTATIONS,
-    "quantizer.temperature_schedule": _ddcl.SCHEDULES,
     "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
     "train.lr_schedule": ("constant", "cosine"),
     "train.amp": ("none", "bf16", "fp16"),
@@ -224,10 +217,12 @@ CHOICES = {
     "loss.perceptual_net": ("vgg", "alex"),
     "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
 }
+# DDCLQuantizer's allowed values, as the library states them
+CHOICES.update({f"quantizer.{name}": values for name, values in _ddcl.DDCL_CHOICES.items()})
 POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels",
             "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
             "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
-            "train.checkpoint_every", "train.image_every", "train.usage_window",
+            "train.checkpoint_every", "train.image_every", "train.usage_window", "train.threads",
             "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups", "loss.disc_layers",
             "loss.disc_channels"}
 #: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``

@@ -502,6 +502,7 @@ def format_summary(summary: Dict, run_dir: Path) -> str:
         lines.append(f"codebook: utilization {c['utilization']:.1%} ({c['active_codes']}/{c['num_codes']} active, "
                      f"{c['dead_codes']} dead), perplexity {c['perplexity']:.1f}")
         lines.append("definitions:\n  " + USAGE_DEFINITIONS.replace("\n", "\n  "))
-    lines.append(f"TensorBoard: .venv/bin/tensorboard --logdir {run_dir / 'tb'} --host 127.0.0.1")
-    lines.append(f"full evaluation (SSIM, LPIPS): .venv/bin/ddcl-vq evaluate {run_dir}")
+    from .hints import tensorboard_hint, tool, where
+    lines.append(f"TensorBoard: {tensorboard_hint(run_dir / 'tb')}")
+    lines.append(f"full evaluation (SSIM, LPIPS): {tool('ddcl-vq')} evaluate {where(run_dir)}")
     return "\n".join(lines)

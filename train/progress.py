@@ -87,6 +87,13 @@ class Progress:
         stream = sys.stderr if self.stream is None else self.stream
         print(self.line(), file=stream, flush=True)
 
+    def write(self, text: str) -> None:
+        """A line of output on stdout that leaves the bar whole (tqdm.write on a terminal)."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

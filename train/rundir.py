@@ -32,7 +32,7 @@ LOCK_NAME = "train.lock"
 #: it runs (train.steps: not below the steps already trained; data.root: not for image_folder,
 #: where it is the data itself)
 RESUMABLE = ("train.steps", "train.log_every", "train.image_every", "train.checkpoint_every", "train.eval_images",
-             "train.usage_window", "train.device", "data.num_workers", "data.download", "data.root", "run.dir",
+             "train.usage_window", "train.device", "train.threads", "data.num_workers", "data.download", "data.root", "run.dir",
              "run.name", "quantizer.implementation")
 
 

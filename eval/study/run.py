@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ddcl_vq.eval.machine import describe_machine
 from ddcl_vq.train.errors import UserError
@@ -63,8 +63,9 @@ def arm_status(arm: Arm) -> str:
     return "finished" if step >= arm.config.train.steps else f"interrupted at step {step}"
 
 
-def _train_subprocess(arm: Arm, threads: int) -> Optional[str]:
-    """Train one arm in a child process (``python -m ddcl_vq.train``); None on success, else the reason."""
+def _train_subprocess(arm: Arm, threads: Optional[int]) -> Optional[str]:
+    """Train one arm in a child process (``python -m ddcl_vq.train``) with ``threads`` (default 1)
+    intra-op threads (the arm's own train.threads wins); None on success, else the reason."""
     import subprocess
 
     from ddcl_vq.train.config import dump_config
@@ -82,107 +83,178 @@ def _train_subprocess(arm: Arm, threads: int) -> Optional[str]:
     return f"training exited with code {proc.returncode}: {tail[0] if tail else ''} (see {run_dir / 'train.log'})"
 
 
-def run_study(study: Study, train_arms: bool = True, progress: bool = True, verbose: bool = False,
-              command: Optional[str] = None, jobs: int = 1, threads: int = 0) -> Dict:
-    """Train (unless ``train_arms`` is False), evaluate and compare every arm; write report.md.
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
 
-    ``jobs`` > 1 trains that many arms at once, each in its own ``python -m ddcl_vq.train`` process
-    with ``threads`` (default 1) intra-op threads; evaluation stays in this process.
-    """
-    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from tqdm import tqdm
+class StudyRun:
+    """One invocation of a study: which arms finished, failed or wait, and the lines it prints.
 
-    from ddcl_vq.train.loop import train
+    Progress is a bar on a terminal and plain lines in a log file or pipe
+    (:class:`~ddcl_vq.train.progress.Progress`); each arm's result is one line on stdout."""
 
-    from ddcl_vq.eval.compare import compare, ensure_eval
+    def __init__(self, study: Study, progress: bool = True):
+        from ddcl_vq.train.progress import Progress
 
-    for arm in study.arms:  # before anything trains
-        check_run_dir(arm)
-    study.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    machine_start = describe_machine()
-    date_start = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    done: Dict[str, Dict] = {}
-    failed: Dict[str, str] = {}
-    unfinished: List[str] = []
-    bar = tqdm(total=len(study.arms), desc=study.name, unit="arm", disable=not progress, dynamic_ncols=True)
+        self.study = study
+        self.done: Dict[str, Dict] = {}
+        self.failed: Dict[str, str] = {}
+        self.unfinished: List[str] = []
+        self.progress = Progress(len(study.arms), study.name, unit="arm") if progress else None
 
-    def fail(arm: Arm, reason: str, trace: Optional[str] = None) -> None:
-        failed[arm.name] = reason
-        bar.write(f"{arm.name}: FAILED ({reason})")
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self) -> None:
+        """One more arm handled."""
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def fail(self, arm: Arm, reason: str, trace: Optional[str] = None) -> None:
+        self.failed[arm.name] = reason
+        self.say(f"{arm.name}: FAILED ({reason})")
         if trace:
             run_dir = Path(arm.config.run.dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "study_error.txt").write_text(trace)
 
-    def finish(arm: Arm, trained: bool) -> None:
+    def evaluate(self, arm: Arm, trained: bool) -> None:
+        """Evaluate a trained arm (``eval.json``, reused when it matches); a failure is recorded."""
+        from ddcl_vq.eval.compare import ensure_eval
+
+        ev = self.study.eval
         try:
-            ev = ensure_eval(Path(arm.config.run.dir), study.eval.split, study.eval.max_images,
-                             study.eval.batch_size)
+            result = ensure_eval(Path(arm.config.run.dir), ev.split, ev.max_images, ev.batch_size)
         except KeyboardInterrupt:
             raise
         except Exception as err:  # noqa: BLE001 - one arm's failure must not lose the others
-            fail(arm, f"evaluation: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}", traceback.format_exc())
+            self.fail(arm, f"evaluation: {_first_line(err)}", traceback.format_exc())
             return
-        done[arm.name] = ev
-        bar.write(f"{arm.name}: {'' if trained else 'already trained; '}PSNR hard {ev['recon']['hard']['psnr']:.2f} dB, "
-                  f"utilization {ev['codebook']['utilization']:.1%}, perplexity {ev['codebook']['perplexity']:.1f}")
+        self.done[arm.name] = result
+        self.say(f"{arm.name}: {'' if trained else 'already trained; '}PSNR hard "
+                 f"{result['recon']['hard']['psnr']:.2f} dB, utilization {result['codebook']['utilization']:.1%}, "
+                 f"perplexity {result['codebook']['perplexity']:.1f}")
 
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+def triage(run: StudyRun, train_arms: bool) -> List[Arm]:
+    """Evaluate the arms whose training has finished; the others are returned to train (or, without
+    ``train_arms``, listed as unfinished)."""
     to_train = []
-    for arm in study.arms:
+    for arm in run.study.arms:
         status = arm_status(arm)
         if status == "finished":
-            finish(arm, trained=False)
-            bar.update(1)
+            run.evaluate(arm, trained=False)
+            run.advance()
         elif not train_arms:
-            unfinished.append(f"{arm.name} ({status})")
-            bar.update(1)
+            run.unfinished.append(f"{arm.name} ({status})")
+            run.advance()
         else:
             to_train.append(arm)
-    if jobs <= 1:
-        for arm in to_train:
-            bar.set_postfix_str(arm.name)
-            try:
-                train(arm.config, quiet=not verbose)
-            except KeyboardInterrupt:
-                raise
-            except Exception as err:  # noqa: BLE001
-                fail(arm, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}", traceback.format_exc())
+    return to_train
+
+
+def train_in_process(run: StudyRun, arms: Sequence[Arm], verbose: bool, threads: Optional[int]) -> None:
+    """Train ``arms`` one after another in this process, each evaluated when it ends; torch threads:
+    the arm's train.threads, else ``threads`` (None: automatic, :mod:`ddcl_vq.train.threads`)."""
+    from ddcl_vq.train.loop import train
+    from ddcl_vq.train.threads import set_threads
+
+    for arm in arms:
+        set_threads(arm.config.train.threads or threads)
+        if run.progress is not None:
+            run.progress.set_postfix(arm=arm.name)
+        try:
+            train(arm.config, quiet=not verbose)
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:  # noqa: BLE001
+            run.fail(arm, _first_line(err), traceback.format_exc())
+        else:
+            run.evaluate(arm, trained=True)
+        run.advance()
+
+
+def train_in_subprocesses(run: StudyRun, arms: Sequence[Arm], jobs: int, threads: Optional[int]) -> None:
+    """Train ``arms`` ``jobs`` at a time, each in its own process (:func:`_train_subprocess`), and
+    evaluate each in this process as it ends."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(_train_subprocess, arm, threads): arm for arm in arms}
+        for future in as_completed(futures):
+            arm = futures[future]
+            reason = future.result()
+            if reason is None:
+                run.evaluate(arm, trained=True)
             else:
-                finish(arm, trained=True)
-            bar.update(1)
-    elif to_train:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_train_subprocess, arm, threads): arm for arm in to_train}
-            for future in as_completed(futures):
-                arm = futures[future]
-                reason = future.result()
-                if reason is None:
-                    finish(arm, trained=True)
-                else:
-                    fail(arm, reason)
-                bar.update(1)
-    bar.close()
-    finished = [a for a in study.arms if a.name in done]
-    if not finished:
-        raise StudyError(f"study {study.name}: no arm finished ({len(failed)} failed, {len(unfinished)} unfinished)")
-    if study.seeds is None:
-        rows = compare([Path(a.config.run.dir) for a in finished], study.out, study.eval.split,
-                       study.eval.max_images, study.eval.batch_size, names=[a.name for a in finished],
-                       grid_images=study.eval.grid_images, command=command)
-        groups = None
-    else:
-        rows, groups = compare_seeds(study, finished, command)
-    info = {"command": command, "date_start": date_start,
-            "date_end": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "wall_seconds": round(time.time() - started, 1), "machine_start": machine_start,
-            "machine_end": describe_machine(), "jobs": jobs, "failed": failed, "unfinished": unfinished}
+                run.fail(arm, reason)
+            run.advance()
+
+
+def compare_finished(study: Study, finished: List[Arm], command: Optional[str]
+                     ) -> Tuple[List[Dict], Optional[List[Dict]]]:
+    """The comparison tables and plots of the finished arms: one row per run, and with seeds one
+    mean ± sd group per arm x sweep point (:func:`compare_seeds`; None without seeds)."""
+    from ddcl_vq.eval.compare import compare
+
+    if study.seeds is not None:
+        return compare_seeds(study, finished, command)
+    ev = study.eval
+    rows = compare([Path(a.config.run.dir) for a in finished], study.out, ev.split, ev.max_images, ev.batch_size,
+                   names=[a.name for a in finished], grid_images=ev.grid_images, command=command)
+    return rows, None
+
+
+def write_report(study: Study, rows: List[Dict], groups: Optional[List[Dict]], info: Dict) -> None:
+    """report.md and study.json in the study's output folder."""
     (study.out / "report.md").write_text(render_report(study, rows, info, groups))
     extra = {} if groups is None else {"seeds": study.seeds, "groups": groups}
     (study.out / "study.json").write_text(json.dumps({"study": study.name, "config": str(study.path),
                                                       "arms": [a.name for a in study.arms], **info,
                                                       "rows": rows, **extra}, indent=2) + "\n")
+
+
+def _now() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def run_study(study: Study, train_arms: bool = True, progress: bool = True, verbose: bool = False,
+              command: Optional[str] = None, jobs: int = 1, threads: Optional[int] = None) -> Dict:
+    """Train (unless ``train_arms`` is False), evaluate and compare every arm; write report.md.
+
+    ``jobs`` > 1 trains that many arms at once, each in its own ``python -m ddcl_vq.train`` process
+    with ``threads`` (default 1) intra-op threads; with one job arms train in this process with
+    ``threads`` (default: automatic, :mod:`ddcl_vq.train.threads`). Evaluation stays in this process.
+    """
+    for arm in study.arms:  # before anything trains
+        check_run_dir(arm)
+    study.out.mkdir(parents=True, exist_ok=True)
+    started, date_start, machine_start = time.time(), _now(), describe_machine()
+    run = StudyRun(study, progress)
+    try:
+        to_train = triage(run, train_arms)
+        if jobs <= 1:
+            train_in_process(run, to_train, verbose, threads)
+        elif to_train:
+            train_in_subprocesses(run, to_train, jobs, threads)
+    finally:
+        run.close()
+    finished = [a for a in study.arms if a.name in run.done]
+    if not finished:
+        raise StudyError(f"study {study.name}: no arm finished ({len(run.failed)} failed, "
+                         f"{len(run.unfinished)} unfinished)")
+    rows, groups = compare_finished(study, finished, command)
+    info = {"command": command, "date_start": date_start, "date_end": _now(),
+            "wall_seconds": round(time.time() - started, 1), "machine_start": machine_start,
+            "machine_end": describe_machine(), "jobs": jobs, "failed": run.failed, "unfinished": run.unfinished}
+    write_report(study, rows, groups, info)
     return {"rows": rows, "groups": groups, **info}
 
 
