@@ -71,67 +71,86 @@ def copy_run(run: Path, dest: Path) -> Path:
 # --------------------------------------------------------------------------- a real full disk
 
 LIMITED = """\
-import resource, signal, sys
+import contextlib, io, json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of a signal
-import matplotlib.pyplot, torch, torchvision  # imported (caches written) before the limit
+import matplotlib.pyplot, torch, torchvision  # imported (caches written) before any limit
 from ddcl_vq.eval import cli
-limit = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-sys.exit(cli.main(sys.argv[2:]))
+results = []
+for limit, argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))  # the soft limit: raised again below
+    with contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
 """
 
 
-def limited(tmp_path: Path, limit: int, *argv) -> subprocess.CompletedProcess:
-    """``ddcl-vq ARGV`` in a process that cannot write a file larger than ``limit`` bytes."""
+def limited(tmp_path: Path, *commands) -> list:
+    """Each ``(limit, argv)``: ``ddcl-vq ARGV`` unable to write a file larger than ``limit`` bytes
+    (RLIMIT_FSIZE: the kernel's EFBIG, what a full disk looks like to a writer), all in one process;
+    -> [(exit status, stderr), ...]."""
     script = tmp_path / "limited.py"
     script.write_text(LIMITED)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(script), str(limit)] + [str(a) for a in argv], capture_output=True,
-                          text=True, env=env, timeout=600, cwd=tmp_path)
+    spec = json.dumps([[limit, [str(a) for a in argv]] for limit, argv in commands])
+    done = subprocess.run([sys.executable, str(script), spec], capture_output=True, text=True, env=env, timeout=900,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    script.unlink()
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def assert_one_line(done: subprocess.CompletedProcess, prog: str) -> str:
-    err = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("tokenize: ", "evaluate: "))]
-    assert done.returncode == 2 and len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: "), done.stderr
+def assert_one_line(result, prog: str) -> str:
+    code, stderr = result
+    err = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("tokenize: ", "evaluate: "))]
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: "), stderr
     return err[0]
 
 
-def test_export_on_a_full_disk_is_one_line_and_leaves_no_folder(run, tmp_path):
-    out = tmp_path / "models" / "tiny"
-    line = assert_one_line(limited(tmp_path, 20_000, "export", run, out), "export")  # the weights are ~47 KB
-    assert "could not write the export" in line and "File too large" in line and "nothing was written" in line
-    assert not out.exists() and list((tmp_path / "models").iterdir()) == []  # no folder, no hidden staging
-    # an earlier export in the folder stays as it was
-    export_run(run, out)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert_one_line(limited(tmp_path, 20_000, "export", run, out, "--overwrite"), "export")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny"]
-
-
-@pytest.mark.parametrize("suffix", [".npy", ".safetensors"])
-def test_tokenize_on_a_full_disk_is_one_line_and_writes_nothing(run, tmp_path, suffix):
-    out = tmp_path / f"tokens{suffix}"
-    line = assert_one_line(limited(tmp_path, 1000, "tokenize", run, "--split", "test", "--max-images", "40",
-                                   "--out", out, "--quiet"), "tokenize")  # 40 x 8 x 8 codes: 2.6 KB
-    assert f"could not write '{out}'" in line and "File too large" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["limited.py"]  # no partial or temporary file
-
-
-def test_decode_and_compare_on_a_full_disk_keep_what_was_there(run, exported, tmp_path):
-    tokens = tmp_path / "t.npy"
-    np.save(tokens, np.zeros((20, 8, 8), dtype=np.uint8))
+def test_a_full_disk_is_one_line_and_leaves_nothing_partial(run, exported, tmp_path):
+    """export, tokenize (.npy, .safetensors), decode and compare under a file size limit."""
+    models = tmp_path / "models"
+    models.mkdir()
+    out = models / "tiny"
+    earlier = models / "earlier"
+    export_run(run, earlier)
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    codes = tmp_path / "t.npy"
+    np.save(codes, np.zeros((20, 8, 8), dtype=np.uint8))
     png = tmp_path / "grid.png"
     png.write_bytes(b"an earlier grid")
-    line = assert_one_line(limited(tmp_path, 100, "decode", exported, tokens, "--out", png), "decode")
+    cmp = tmp_path / "cmp"
+    results = limited(
+        tmp_path,
+        (20_000, ["export", run, out]),  # the weights are ~47 KB
+        (20_000, ["export", run, earlier, "--overwrite"]),
+        (1000, ["tokenize", run, "--split", "test", "--max-images", "40", "--out", tokens / "t.npy", "--quiet"]),
+        (1000, ["tokenize", run, "--split", "test", "--max-images", "40", "--out", tokens / "t.safetensors",
+                "--quiet"]),  # 40 x 8 x 8 codes: 2.6 KB
+        (100, ["decode", exported, codes, "--out", png]),
+        (20_000, ["compare", copy_run(run, tmp_path / "r"), "--out", cmp, "--max-images", "16", "--quiet"]))
+
+    line = assert_one_line(results[0], "export")
+    assert "could not write the export" in line and "File too large" in line and "nothing was written" in line
+    assert sorted(p.name for p in models.iterdir()) == ["earlier"]  # no folder, no hidden staging folder
+    assert_one_line(results[1], "export")
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before  # an earlier export stays as it was
+
+    for result, name in zip(results[2:4], ("t.npy", "t.safetensors")):
+        line = assert_one_line(result, "tokenize")
+        assert f"could not write '{tokens / name}'" in line and "File too large" in line
+    assert list(tokens.iterdir()) == []  # no partial or temporary file
+
+    line = assert_one_line(results[4], "decode")
     assert "could not write" in line and "the earlier file is unchanged" in line
     assert png.read_bytes() == b"an earlier grid" and not list(tmp_path.glob(".grid.png*"))
 
-    out = tmp_path / "cmp"
-    line = assert_one_line(limited(tmp_path, 20_000, "compare", copy_run(run, tmp_path / "r"), "--out", out,
-                                   "--max-images", "16", "--quiet"), "compare")
-    assert "could not write the comparison" in line
-    assert sorted(p.name for p in out.iterdir()) == []  # the plots failed: no table.md either, no staging
+    assert "could not write the comparison" in assert_one_line(results[5], "compare")
+    assert list(cmp.iterdir()) == []  # the plots failed: no table.md either, no staging folder
 
 
 # --------------------------------------------------------------------------- compare across datasets
