@@ -263,3 +263,22 @@ def test_empty_batch(name, training):
     assert out.loss.item() == 0.0 and all(v.item() == 0.0 for v in out.terms.values())
     out.loss.backward()
     assert all(torch.equal(before[k], v) for k, v in q.state_dict().items())
+
+
+def test_ddcl_vq_imports_without_the_peer_package():
+    """vector-quantize-pytorch is optional: ddcl_vq imports without it, and building a peer says how to install it."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['vector_quantize_pytorch'] = None\n"
+            "import ddcl_vq\n"
+            "for cls in (ddcl_vq.FSQQuantizer, ddcl_vq.SimVQQuantizer, ddcl_vq.LFQQuantizer):\n"
+            "    try:\n"
+            "        cls(256, 8)\n"
+            "    except ImportError as err:\n"
+            "        assert 'pip install vector-quantize-pytorch' in str(err), err\n"
+            "    else:\n"
+            "        raise SystemExit('built without the package')\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
