@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
-from .distributed import all_reduce_sum_
+from .distributed import all_reduce_sum_, broadcast_, is_distributed
 from .vqp import peer_class
 
 
@@ -32,9 +32,10 @@ class SimVQQuantizer(Quantizer):
     summed over processes under torch.distributed, so every replica starts alike). The peer's loss is ``loss`` and
     ``terms["commitment"]``; ``codebook`` is W(C), so ``lookup(indices)`` gives the codes the
     decoder sees (with the rotation trick the forward value equals the code up to float rounding).
-    The frozen codebook is a buffer (saved in the state_dict); the map is the only parameter, so
-    under torch.distributed nothing is shared but gradients (DDP broadcasts rank 0's frozen
-    codebook when it wraps the model). Computes in float32 whatever the input's dtype (autocast
+    The frozen codebook is a buffer (saved in the state_dict); the map is the only parameter. Under
+    torch.distributed the first training step broadcasts rank 0's frozen codebook (processes seeded
+    differently would otherwise quantize against different codebooks); after that nothing is shared
+    but gradients. Computes in float32 whatever the input's dtype (autocast
     off), returns the input's dtype.
     """
 
@@ -59,6 +60,7 @@ class SimVQQuantizer(Quantizer):
         if codebook_bias:
             simvq_kwargs = dict(simvq_kwargs, codebook_transform=nn.Linear(frozen_dim, dim, bias=True))
         self.vq = SimVQ(dim=dim, codebook_size=num_codes, **simvq_kwargs)
+        self._frozen_synced = False
 
     @property
     def codebook(self) -> Tensor:
@@ -71,6 +73,12 @@ class SimVQQuantizer(Quantizer):
         if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
             return self.empty_output(flat, last_shape, ("commitment",))
         with torch.autocast(device_type=z.device.type, enabled=False):
+            if self.training and not self._frozen_synced:
+                # one frozen codebook for every process, whatever each was seeded with (the first
+                # training step, on the training device; DDP with broadcast_buffers=False would not)
+                if is_distributed():
+                    broadcast_(self.vq.frozen_codebook, 0)
+                self._frozen_synced = True
             if self.training and not bool(self.initialized):
                 self._init_from_data(flat.detach().float())
             quantized, indices, loss = self.vq(flat.float().unsqueeze(0))

@@ -282,3 +282,30 @@ def test_ddcl_vq_imports_without_the_peer_package():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_torchrun_ranks_stay_one_model(tmp_path):
+    """Two processes (gloo) from different seeds: after DDP steps every parameter and buffer is identical
+    on both ranks (SimVQ's frozen codebook broadcast by DDP, its data-matched start from statistics
+    summed over the ranks; FSQ and LFQ share nothing but gradients)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(ROOT / "tests" / "peers_dist_worker.py"), str(tmp_path), "3"]
+    done = subprocess.run(cmd, cwd=ROOT / "tests", capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for qtype in ("fsq", "simvq", "lfq"):
+        a = torch.load(tmp_path / f"{qtype}_rank0.pt", weights_only=True)["state"]
+        b = torch.load(tmp_path / f"{qtype}_rank1.pt", weights_only=True)["state"]
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{qtype}: {key} differs across ranks"
+    assert bool(a.get("quantizer.initialized", torch.tensor(True)))
+    simvq = torch.load(tmp_path / "simvq_rank0.pt", weights_only=True)["state"]
+    assert bool(simvq["quantizer.initialized"])
