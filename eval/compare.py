@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.rundir import writable_dir
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+from ddcl_vq.train.threads import set_threads, threads_option
 
 from .evaluate import EvaluateError
 from .freshness import ensure_eval, needs_eval
@@ -81,7 +84,7 @@ def check_one_dataset(run_dirs: Sequence[Path]) -> str:
 
 
 def evaluate_runs(run_dirs: Sequence[str | Path], split: str = "test", max_images: int = 0,
-                  batch_size: int = 256, names: Optional[Sequence[str]] = None,
+                  batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None,
                   progress: bool = False, store: Optional[Path] = None) -> tuple[List[Dict], List[Dict]]:
     """(rows, evals): every run evaluated when needed (:func:`ensure_eval`), one table row each."""
     run_dirs = [Path(d) for d in run_dirs]
@@ -111,7 +114,7 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
-            batch_size: int = 256, names: Optional[Sequence[str]] = None, grid_images: int = 8,
+            batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None, grid_images: int = 8,
             progress: bool = False, command: Optional[str] = None) -> List[Dict]:
     """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``
     (checked writable before any evaluation; CompareWriteError, holding the rows, when writing fails).
@@ -146,19 +149,21 @@ class CompareOptions:
     out: str = option(help="output directory for tables and plots")
     split: str = option("test", "dataset split")
     max_images: int = option(0, "images per evaluation (0 = whole split)")
-    batch_size: int = option(256, "images per batch")
+    batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     grid_images: int = option(8, "test images in reconstructions.png")
     quiet: bool = option(False, "no table on stdout")
+    threads: Optional[int] = threads_option()
 
 
 OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__.split("\nModules:")[0],
-                  rules=Rules(choices={"split": ("train", "test")}, positive={"batch_size"},
+                  rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
                               non_negative={"max_images", "grid_images"}))
 
 
 @entry_point("ddcl-vq compare")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
+    set_threads(opts.threads)
     cmd = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
     try:
         rows = compare(opts.run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,

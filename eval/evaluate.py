@@ -22,8 +22,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import UserError, entry_point
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+from ddcl_vq.train.threads import set_threads, threads_option
 
 from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 
@@ -138,7 +141,7 @@ def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
     return {k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard}
 
 
-def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
+def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
                  overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
                  write: bool = True, made_by: str = "evaluate") -> Dict:
     """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict.
@@ -295,8 +298,9 @@ class EvaluateOptions:
     run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
     split: str = option("test", "dataset split")
     max_images: int = option(0, "first N images of the split (0 = all)")
-    batch_size: int = option(256, "images per batch")
+    batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     quiet: bool = option(False, "no progress bar or table")
+    threads: Optional[int] = threads_option()
     out: Optional[str] = option(None, "write the evaluation here instead of RUN_DIR/eval.json: a .json file, or a "
                                       "folder to write eval.json into (e.g. for a read-only, archived run)",
                                 metavar="PATH")
@@ -305,13 +309,14 @@ class EvaluateOptions:
 
 
 OPTIONS = Options(EvaluateOptions, prog="ddcl-vq evaluate", description=HELP, intermixed=True,
-                  rules=Rules(choices={"split": ("train", "test")}, positive={"batch_size"},
+                  rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
                               non_negative={"max_images"}))
 
 
 @entry_point("ddcl-vq evaluate")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
+    set_threads(opts.threads)
 
     from ddcl_vq.distributed import rank
 

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+
 from .evaluate import evaluate_run, file_digest, write_eval
 
 
@@ -100,7 +102,7 @@ def places(run_dir: Path, store: Optional[Path]) -> List[Path]:
     return [Path(run_dir) / "eval.json"] + ([stored_path(store, run_dir)] if store is not None else [])
 
 
-def ensure_eval(run_dir: Path, split: str = "test", max_images: int = 0, batch_size: int = 256,
+def ensure_eval(run_dir: Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
                 progress: bool = False, *, store: Optional[Path] = None, command: Optional[str] = None,
                 made_by: str = "compare") -> Dict:
     """A fresh evaluation of ``run_dir`` (reused, or made now and written where the module

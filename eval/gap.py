@@ -28,8 +28,10 @@ from einops import rearrange
 from torch import Tensor
 
 from ddcl_vq.base import squared_distances
+from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
 from .evaluate import EvaluateError, load_run
 
@@ -60,7 +62,7 @@ def _images(dataset, n: int) -> Tensor:
     n = min(n, len(dataset))
     if n <= 0:
         raise EvaluateError("nothing to measure: the split has no images")
-    return torch.cat([x for x, _ in make_loader(dataset, SequentialBatches(n, 256))])
+    return torch.cat([x for x, _ in make_loader(dataset, SequentialBatches(n, EVAL_BATCH_SIZE))])
 
 
 @torch.no_grad()
@@ -153,7 +155,7 @@ class GapOptions:
 
 
 OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=HELP,
-                  rules=Rules(choices={"split": ("test", "train")}, positive={"images", "fit_images"},
+                  rules=Rules(choices={"split": SPLITS}, positive={"images", "fit_images"},
                               non_negative={"lloyd"}))
 
 

@@ -218,9 +218,14 @@ def test_quick_headline_at_k256_with_two_seeds(tmp_path):
     assert yaml.safe_load((out / "runs" / "hard_k256_s1" / "config.yaml").read_text())["run"]["seed"] == 1
 
 
-def test_quick_ablation_in_full(tmp_path):
+def test_quick_ablation_in_full(tmp_path, capsys):
     out = tmp_path / "ablation"
     assert study_main(["--config", str(ABLATION), "--quick", "--out", str(out)]) == 0
+    # stderr is not a terminal here: progress in plain lines (no carriage-return redraws)
+    printed = capsys.readouterr()
+    assert "\r" not in printed.err and "arm 11/11 (100%)" in printed.err
+    assert "g_sharp_mstep_s0: PSNR hard " in printed.out
+    assert f"report: {out.absolute() / 'report.md'}" in printed.out
     report = (out / "report.md").read_text()
     assert "## What each change buys" in report
     assert "- `b_kmeans_init` vs `a_first_recipe`: " in report and "- `alt_decay_099` vs `g_sharp_mstep`: " in report

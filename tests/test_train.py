@@ -283,3 +283,40 @@ def test_config_choices_are_what_the_quantizers_accept():
             assert getattr(quantizer, key.split(".")[1], value) == value, (key, value)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [f"quantizer.type={qtype}", f"{key}=not_a_choice"])
+
+
+def test_threads_default_does_not_oversubscribe_and_the_setting_is_checked():
+    """train.threads (and every heavy command's --threads): null = OMP_NUM_THREADS when set, else half
+    the cores, at most 4, shared among a launcher's local processes; a set value is applied as it is."""
+    import torch
+
+    from ddcl_vq.train.threads import AUTO_MAX, auto_threads, set_threads
+
+    assert auto_threads({"OMP_NUM_THREADS": "3"}, cores=64) == 3
+    assert [auto_threads({}, cores=c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, AUTO_MAX]
+    assert auto_threads({"LOCAL_WORLD_SIZE": "2"}, cores=16) == 2 and auto_threads({"LOCAL_WORLD_SIZE": "8"}, 4) == 1
+    assert load_config(None, []).train.threads is None
+    with pytest.raises(ConfigError, match=r"config key 'train\.threads': expected a value > 0, got 0"):
+        load_config(None, ["train.threads=0"])
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(1) == 1 and torch.get_num_threads() == 1
+        assert set_threads(None) == auto_threads() == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_printed_hints_work_from_any_folder():
+    """The commands a training prints to follow up (TensorBoard, evaluate) name the scripts by absolute
+    path (the folder of the running Python) and the run directory absolutely."""
+    import shlex
+
+    from ddcl_vq.train.loop import format_summary
+
+    text = format_summary({"step": 3, "train_seconds": 1.0}, Path("runs") / "x")
+    tb = shlex.split(next(l for l in text.splitlines() if l.startswith("TensorBoard: ")).split(": ", 1)[1])
+    ev = shlex.split(next(l for l in text.splitlines() if l.startswith("full evaluation")).split(": ", 1)[1])
+    bin_dir = Path(sys.executable).parent
+    assert tb[0] == str((bin_dir / "tensorboard").absolute()) and Path(tb[0]).is_file()
+    assert tb[1:3] == ["--logdir", str(Path.cwd() / "runs" / "x" / "tb")]
+    assert ev == [str((bin_dir / "ddcl-vq").absolute()), "evaluate", str(Path.cwd() / "runs" / "x")]

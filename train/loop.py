@@ -41,7 +41,7 @@ from .memory import NotEnoughMemory, check_fits
 from .rundir import (RunLock, check_resume, check_run_dir_setting, finished_summary, first_missing,
                      keep_logged_steps, note, remove_failed_start, saved_config)
 from .settings import ConfigError
-from .testset import reconstruction_pass
+from .testset import EVAL_BATCH_SIZE, reconstruction_pass
 
 
 def setup_distributed(device_pref: str) -> Dict:
@@ -299,8 +299,8 @@ class RunLog:
 def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.device) -> Dict:
     """Hard- (and soft-) code reconstruction and dataset-level codebook usage on the first
     ``train.eval_images`` test images, for summary.json."""
-    result = reconstruction_pass(model, test_set, batch_size=256, device=device, max_images=cfg.train.eval_images,
-                                 num_workers=resolve_workers(cfg.data, test_set))
+    result = reconstruction_pass(model, test_set, batch_size=EVAL_BATCH_SIZE, device=device,
+                                 max_images=cfg.train.eval_images, num_workers=resolve_workers(cfg.data, test_set))
     usage = result["usage"]
     return dict(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
                 codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})

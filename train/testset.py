@@ -14,6 +14,10 @@ from ddcl_vq.models import VQVAE
 
 from .data import DataUnavailable, SequentialBatches, make_loader
 
+#: images per batch of an evaluation pass (the end-of-run summary, evaluate, compare, gap,
+#: tokenize, decode, a study's evaluation); lower it where memory is short
+EVAL_BATCH_SIZE = 256
+
 
 def shard(dataset: Dataset, max_images: int = 0) -> tuple[Subset, int]:
     """The first ``max_images`` images (all when 0), strided over processes."""
@@ -31,7 +35,7 @@ def _hard_codes(quantizer: Quantizer, indices: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = 256, device="cpu",
+def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
                         max_images: int = 0, on_batch=None, progress: bool = False, num_workers: int = 0) -> Dict:
     """-> {"num_images", "hard": {"mse", "psnr"}, "soft": {...} or None, "usage": UsageStats}.
 

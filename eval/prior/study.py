@@ -35,6 +35,7 @@ import yaml
 
 from ddcl_vq.train.errors import UserError, entry_point
 from ddcl_vq.train.settings import ConfigError, Options, Rules, build, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
 QUICK_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
                "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
@@ -47,7 +48,7 @@ QUICK_EVALUATE = {"samples": 50, "real": 200, "classifier_steps": 20}
 class TokenizeSpec:
     train_images: int = 0
     test_images: int = 0
-    batch_size: int = 256
+    batch_size: int = EVAL_BATCH_SIZE
 
 
 @dataclass

@@ -57,7 +57,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ddcl_vq.train.config import Config, apply_overrides
+from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.settings import ConfigError, Rules, build
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
 QUICK_OVERRIDES = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
@@ -72,7 +74,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 class StudyEval:
     split: str = "test"                      # train | test
     max_images: int = 0                      # first N images of the split (0 = all)
-    batch_size: int = 256
+    batch_size: int = EVAL_BATCH_SIZE
     grid_images: int = 8                     # test images in reconstructions.png
 
 
@@ -107,7 +109,7 @@ class StudyFile:
     parts: List[PartSpec] = field(default_factory=list)          # held-out data: one comparison per part
 
 
-STUDY_RULES = Rules(choices={"eval.split": ("train", "test")}, positive={"eval.batch_size"},
+STUDY_RULES = Rules(choices={"eval.split": SPLITS}, positive={"eval.batch_size"},
                     non_negative={"eval.max_images", "eval.grid_images", "seeds"})
 
 

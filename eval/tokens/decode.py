@@ -21,6 +21,7 @@ import torch
 
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
 from .files import TokenFileError, read_tokens
 
@@ -45,7 +46,7 @@ class DecodeOptions:
     start: int = option(0, "first index map to decode")
     count: int = option(64, "how many index maps to decode (0 = all)")
     nrow: int = option(8, "images per row of the grid")
-    batch_size: int = option(256, "maps decoded per batch")
+    batch_size: int = option(EVAL_BATCH_SIZE, "maps decoded per batch")
     shape: Optional[List[int]] = option(None, "the grid of flat (N, H*W) token sequences (default: the model's "
                                               "latent grid)", nargs=2, metavar=("H", "W"))
 
@@ -114,7 +115,7 @@ def check_metadata(metadata: dict, model, tokens) -> None:
 
 
 @torch.no_grad()
-def decode_indices(model, indices: np.ndarray, batch_size: int = 256, device="cpu",
+def decode_indices(model, indices: np.ndarray, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
                    shape: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """(N, h, w) integer indices of any integer dtype (or flat (N, h·w) sequences on the model's
     latent grid or ``shape``) -> (N, C, H, W) float images from the hard codes, clamped to [0, 1]."""
@@ -144,7 +145,7 @@ def save_png(images: torch.Tensor, out: Path, nrow: int) -> None:
 
 
 def decode_file(model_source: str | Path, tokens: str | Path, out: str | Path, start: int = 0, count: int = 64,
-                nrow: int = 8, batch_size: int = 256, shape: Optional[Tuple[int, int]] = None) -> dict:
+                nrow: int = 8, batch_size: int = EVAL_BATCH_SIZE, shape: Optional[Tuple[int, int]] = None) -> dict:
     from .models import load_model
 
     out = Path(out)

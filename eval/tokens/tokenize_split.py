@@ -23,8 +23,11 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+from ddcl_vq.train.threads import set_threads, threads_option
 
 from .files import TokenFileError, check_suffix, index_dtype, write_tokens
 
@@ -52,16 +55,17 @@ class TokenizeOptions:
                           positional=True, metavar="MODEL")
     split: str = option("train", "dataset split")
     out: str = option(help="the token file to write (.npy or .safetensors)", metavar="FILE")
-    batch_size: int = option(256, "images per batch")
+    batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     max_images: int = option(0, "first N images of the split (0 = all)")
     device: str = option("auto", "cpu, cuda, ... (auto: the run's train.device, CUDA when available)")
     quiet: bool = option(False, "no progress or summary")
+    threads: Optional[int] = threads_option()
     overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
                                   metavar="key=value")
 
 
 OPTIONS = Options(TokenizeOptions, prog="ddcl-vq tokenize", description=HELP, intermixed=True,
-                  rules=Rules(choices={"split": ("train", "test")}, positive={"batch_size"},
+                  rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
                               non_negative={"max_images"}))
 
 
@@ -72,7 +76,7 @@ def _device(name: str, cfg) -> torch.device:
 
 
 @torch.no_grad()
-def encode_dataset(model, dataset, batch_size: int = 256, max_images: int = 0, device="cpu",
+def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images: int = 0, device="cpu",
                    progress: bool = False, num_workers: int = 0):
     """-> (indices (N, h, w) numpy in ``index_dtype(K)``, labels (N,) int64 or None).
 
@@ -135,8 +139,8 @@ def export_data_config(model, source, overrides=()):
     return cfg
 
 
-def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: int = 256, max_images: int = 0,
-                 overrides=(), device: str = "auto", progress: bool = False) -> Dict:
+def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: int = EVAL_BATCH_SIZE,
+                 max_images: int = 0, overrides=(), device: str = "auto", progress: bool = False) -> Dict:
     """Tokenize ``split`` of the dataset of ``run_dir`` (a run directory, an exported model folder or
     its Hub id) into ``out``; returns a summary."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
@@ -168,6 +172,7 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
 @entry_point("ddcl-vq tokenize")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
+    set_threads(opts.threads)
     done = tokenize_run(opts.run_dir, opts.split, opts.out, opts.batch_size, opts.max_images, opts.overrides,
                         opts.device, progress=not opts.quiet)
     if not opts.quiet:
