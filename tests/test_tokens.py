@@ -27,11 +27,10 @@ from ddcl_vq.train.builders import quantizer_kwargs
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import build_dataset
 from ddcl_vq.train.loop import train
+from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-        "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6", "train.log_every=2",
-        "train.checkpoint_every=3", "train.usage_window=3", "train.image_every=3", "train.eval_images=0"]
+TINY = TINY + ["train.eval_images=0"]
 CONFIGS = {"ddcl": "configs/fashion_ddcl.yaml", "hard": "configs/fashion_hard.yaml",
            "ema": "configs/fashion_ema.yaml", "vqp": "configs/fashion_vqp.yaml"}
 # a schedule and non-default options, so the quantizer's constructor arguments and state matter
