@@ -58,7 +58,7 @@ class CropFlip(Dataset):
     def __getitem__(self, key):
         from torchvision.transforms import functional as TF
 
-        from .data import CHECK_HINT, UnreadableImage, _three_channels
+        from .dataerrors import CHECK_HINT, UnreadableImage, three_channels
         from .errors import one_line
 
         epoch, i = key if isinstance(key, tuple) else (0, key)
@@ -70,7 +70,7 @@ class CropFlip(Dataset):
             image = TF.resized_crop(image, top, left, h, w, [self.image_size, self.image_size], antialias=True)
             if float(torch.rand((), generator=g)) < 0.5:
                 image = TF.hflip(image)
-            return _three_channels(TF.to_tensor(image)), label
+            return three_channels(TF.to_tensor(image)), label
         except Exception as err:  # noqa: BLE001 - PIL raises several types for a bad file
             raise UnreadableImage(f"image {path!r} cannot be read ({type(err).__name__}: {one_line(err)}); replace "
                                   f"or remove it ({CHECK_HINT})") from None

@@ -17,22 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .errors import UserError, one_line
+from .errors import one_line
 from .settings import ConfigError
+from .dataerrors import CHECK_HINT, DataUnavailable, UnreadableImage, three_channels as _three_channels
 
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
 
 
-class DataUnavailable(UserError, RuntimeError):
-    """A dataset could not be found or downloaded; the message names the ways to get it."""
-
-
-class UnreadableImage(DataUnavailable):
-    """An image file of an image folder cannot be read or decoded; the message names the file."""
-
-
-CHECK_HINT = "`ddcl-vq train --config CONFIG --check-data` lists every unreadable image"
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -230,11 +222,6 @@ def open_image(path: str):
         else:
             return img.convert("RGB")
     return Image.fromarray(values.astype(np.float32), mode="F")
-
-
-def _three_channels(x: Tensor) -> Tensor:
-    """A (1, H, W) grey image (a high-bit-depth file, loaded as one float channel) as (3, H, W)."""
-    return x.expand(3, -1, -1).contiguous() if x.shape[0] == 1 else x
 
 
 class ImageFiles(Dataset):

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -22,8 +21,10 @@ from typing import Dict, List, Optional
 import torch
 from safetensors import SafetensorError
 
-from ddcl_vq.train.errors import UserError, entry_point
+from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, option
+
+from .checks import ExportError, check_inputs as _check_inputs
 
 HELP = """\
 Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
@@ -44,10 +45,6 @@ package installed where it is loaded.
 FILES = ("config.json", "model.safetensors", "README.md")
 
 
-class ExportError(UserError, RuntimeError):
-    """The run cannot be exported as asked (output folder in the way, upload failed, ...)."""
-
-
 @dataclass(kw_only=True)
 class ExportOptions:
     run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
@@ -62,21 +59,6 @@ class ExportOptions:
 
 
 OPTIONS = Options(ExportOptions, prog="ddcl-vq export", description=HELP)
-
-
-def _check_inputs(model, cfg) -> torch.Tensor:
-    """A fixed batch to check the export on: the first test images, or seeded noise offline."""
-    from ddcl_vq.train.data import build_dataset, image_channels
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            test = build_dataset(cfg.data, "test", cfg.run.seed)
-        return torch.stack([test[i][0] for i in range(min(16, len(test)))])
-    except UserError:
-        g = torch.Generator().manual_seed(0)
-        size = cfg.data.image_size
-        return torch.rand(16, image_channels(cfg.data), size, size, generator=g)
 
 
 def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:

@@ -32,7 +32,7 @@ FILES = ("config.json", "diffusion_pytorch_model.safetensors", "README.md")
 
 
 def _error(message: str) -> Exception:
-    from .export import ExportError
+    from .checks import ExportError
     return ExportError(message)
 
 
@@ -80,7 +80,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
 
     from ddcl_vq.eval.evaluate import load_run
 
-    from .export import _check_inputs
+    from .checks import check_inputs as _check_inputs
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
