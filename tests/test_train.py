@@ -222,7 +222,8 @@ def test_run_config_from_before_the_warmup_keeps_its_recipe(tmp_path):
     assert (today.warmup_steps, today.revive_criterion) == (100, "usage")  # a user's config: today's defaults
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("study_")))
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml")
+                                         if not p.name.startswith(("study_", "prior_")))  # studies, priors: own tests)
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.run.dir.startswith("runs/")

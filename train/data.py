@@ -25,8 +25,6 @@ DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
 
 
-
-
 def _read_idx(path: Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
