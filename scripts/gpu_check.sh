@@ -10,7 +10,10 @@
 #    and the device-independent block-policy and fused-path tests (pytest.log);
 # 3. runs `ddcl-vq bench --quick --device cuda` (bench_cuda.json, bench_cuda.txt): every quantizer
 #    implementation at N = 8192, D = 64, K in {1024, 8192}, the six-matmul floor, and one training
-#    step of the default VQ-VAE, DDCL vs HardVQ.
+#    step of the default VQ-VAE, DDCL vs HardVQ;
+# 4. trains a tiny VQGAN (configs/vqgan_photos64.yaml at ch 8 on Fashion-MNIST at 32x32: diffusers'
+#    encoder/decoder, L1 + LPIPS (when its weights are found) + PatchGAN hinge loss, the discriminator
+#    on from step 2) for 4 steps on CUDA through the real train entry (vqgan_train.log, vqgan_run/).
 #
 # Python: the repository's .venv when its torch sees a GPU; else the machine's python3 with its own
 # torch and packages (nothing is installed into it or downloaded: this checkout goes on PYTHONPATH
@@ -84,6 +87,22 @@ fi
 timeout 240 "$PY" -m ddcl_vq.eval.bench "${bench_args[@]}" --no-progress --json "$OUT_DIR/bench_cuda.json" \
   2>&1 | tee "$OUT_DIR/bench_cuda.txt"
 bench_rc=${PIPESTATUS[0]}
+# a few VQGAN steps on CUDA: GroupNorm/attention blocks, the LPIPS loss and the discriminator step on
+# the device; LPIPS only when its real weights are found (else perceptual_weight=0, said in the log)
+if [ "${GPU_CHECK_DRY:-0}" = 1 ] && ! has_cuda "$PY"; then vqgan_device=cpu; else vqgan_device=cuda; fi
+perceptual=1.0
+if ! "$PY" -c 'import sys; from ddcl_vq.train.lpips_weights import build_lpips; m, note = build_lpips("cpu", "alex"); print("gpu_check:", note); sys.exit(0 if m is not None else 1)' \
+    2>&1 | tee "$OUT_DIR/vqgan_train.log"; then
+  perceptual=0
+fi
+rm -rf "$OUT_DIR/vqgan_run"
+timeout 240 "$PY" -m ddcl_vq.train --config configs/vqgan_photos64.yaml run.dir="$OUT_DIR/vqgan_run" \
+  data.name=fashion_mnist data.image_size=32 data.batch_size=8 model.ch=8 model.z_channels=8 model.latent_dim=8 \
+  quantizer.num_codes=64 loss.perceptual_weight=$perceptual loss.disc_start=2 loss.disc_channels=16 \
+  train.steps=4 train.log_every=1 train.checkpoint_every=4 train.image_every=4 train.eval_images=64 \
+  train.device=$vqgan_device 2>&1 | tee -a "$OUT_DIR/vqgan_train.log"
+vqgan_rc=${PIPESTATUS[0]}
 set -e
-echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, $(( $(date +%s) - start )) s; files in $OUT_DIR/"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, vqgan rc=$vqgan_rc, $(( $(date +%s) - start )) s;" \
+     "files in $OUT_DIR/"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$vqgan_rc" = 0 ]
