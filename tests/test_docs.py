@@ -125,19 +125,33 @@ def command_lines():
                     yield page, command, rest
 
 
+def subcommand(command: str, rest: str):
+    """(name, the rest) when ``command`` has subcommands (``ddcl-vq prior train ...``), else (None, rest);
+    an unknown subcommand fails here."""
+    subcommands = getattr(importlib.import_module(COMMANDS[command][0]), "SUBCOMMANDS", None)
+    if subcommands is None:
+        return None, rest
+    words = rest.split(None, 1)
+    assert words and words[0] in subcommands, \
+        f"`ddcl-vq {command} {rest.strip()}`: expected a subcommand ({', '.join(subcommands)})"
+    return words[0], words[1] if len(words) > 1 else ""
+
+
 def test_named_options_exist(capsys):
-    """Every --option written after `ddcl-vq COMMAND` is in that command's --help."""
+    """Every --option written after `ddcl-vq COMMAND` (or `ddcl-vq COMMAND SUBCOMMAND`) is in its --help."""
     helps, checked = {}, 0
     for page, command, rest in command_lines():
         if command not in COMMANDS:
             continue  # test_named_commands_exist says so
-        if command not in helps:
+        sub, rest = subcommand(command, rest)
+        name = f"{command} {sub}" if sub else command
+        if name not in helps:
             with pytest.raises(SystemExit):
-                importlib.import_module(COMMANDS[command][0]).main(["--help"])
-            helps[command] = capsys.readouterr().out
+                importlib.import_module(COMMANDS[command][0]).main(([sub] if sub else []) + ["--help"])
+            helps[name] = capsys.readouterr().out
         for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
-            assert re.search(rf"{option}(?![\w-])", helps[command]), \
-                f"{page.name}: `ddcl-vq {command} {option}` is not an option of ddcl-vq {command}"
+            assert re.search(rf"{option}(?![\w-])", helps[name]), \
+                f"{page.name}: `ddcl-vq {name} {option}` is not an option of ddcl-vq {name}"
             checked += 1
     assert checked >= 20
 
