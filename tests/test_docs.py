@@ -171,3 +171,29 @@ def test_design_defaults_are_the_constructors():
                 f"design.md says {name}={value}, DDCLQuantizer's default is {signature[name].default!r}"
             checked += 1
     assert checked >= 8
+
+
+#: dotted names in backticks that look like config keys but are files or code (and the typo the
+#: training page shows on purpose, with the error it gets)
+NOT_KEYS = {"train.py", "train.lock", "model.safetensors", "model._vq_vae", "quantizer.temprature"}
+
+
+def test_named_config_keys_exist():
+    """Every training-config key a page names (`section.key` in prose backticks, or `section.key=value`
+    after a command; `ddcl-vq prior` lines take prior keys) is a key of the training config."""
+    from ddcl_vq.train.config import all_keys
+
+    keys, checked = set(all_keys()), 0
+    for page in PAGES:
+        text = page.read_text()
+        named = [k for span in re.findall(r"`([^`\n]+)`", prose(text))
+                 for k in re.findall(r"(?<![\w./-])((?:run|data|model|quantizer|train|loss)\.\w+)", span)]
+        for _, block in FENCE.findall(text):
+            for line in block.replace("\\\n", " ").splitlines():
+                if "ddcl-vq prior" not in line:
+                    named += re.findall(r"(?:^|\s)'?((?:run|data|model|quantizer|train|loss)\.\w+)(?:\.\w+)*=", line)
+        for key in named:
+            if key not in NOT_KEYS:
+                assert key in keys, f"{page.name} names config key {key!r}, which the training config does not have"
+                checked += 1
+    assert checked >= 50
