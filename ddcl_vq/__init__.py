@@ -16,6 +16,7 @@ Modules, each importing only those below it:
     fused                    the fused and chunked assignment paths (autograd function, CPU q buffer)
     cpu_pool                 the CPU worker pool the blocked paths run on (set_parallel_blocks)
     hard, ema, vqp           baseline quantizers
+    fsq, simvq, lfq          newer peers from vector-quantize-pytorch (FSQ, SimVQ, LFQ; imported lazily)
     base, kmeans, usage, distributed
                              the Quantizer interface and (N, D) reshapes, k-means init, codebook
                              usage statistics, torch.distributed helpers

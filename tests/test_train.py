@@ -223,7 +223,7 @@ def test_run_config_from_before_the_warmup_keeps_its_recipe(tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml")
-                                         if not p.name.startswith(("study_", "prior_")))  # studies, priors: own tests)
+                                         if not p.name.startswith(("study_", "prior_"))))  # own tests
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.run.dir.startswith("runs/")
