@@ -10,10 +10,12 @@
 - Code outside ddcl_vq asks the Quantizer interface instead of testing for a concrete class.
 """
 import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
@@ -203,3 +205,28 @@ def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "readout-study" in out.stdout
+
+
+def test_the_development_install_is_followable_by_tools():
+    """scripts/setup.sh installs strictly editable: site-packages holds a static path entry to a tree
+    of links to the sources (no import hook that grep, editors and type checkers cannot follow), and
+    every installed module resolves to its file in the repository."""
+    code = ("import sys, json, importlib\n"
+            "names = sys.argv[1:]\n"
+            "files = {n: importlib.import_module(n).__file__ for n in names}\n"
+            "hooks = [type(f).__module__ for f in sys.meta_path if 'editable' in type(f).__module__]\n"
+            "print(json.dumps({'files': files, 'hooks': hooks}))\n")
+    names = ["ddcl_vq.ddcl", "ddcl_vq.models.vqvae", "ddcl_vq.train.loop", "ddcl_vq.eval.compare"]
+    out = subprocess.run([sys.executable, "-c", code, *names], cwd="/", capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout)
+    assert found["hooks"] == [], f"an import hook serves the package: {found['hooks']} (run bash scripts/setup.sh)"
+    for name, file in found["files"].items():
+        if name.startswith("ddcl_vq.") and name.split(".")[1] in ("models", "train", "eval"):
+            expected = ROOT / name.split(".")[1] / (name.split(".")[2] + ".py")
+        else:
+            expected = ROOT / "ddcl_vq" / (name.split(".")[1] + ".py")
+        assert Path(file).resolve() == expected, (name, file)
+    pth = [p for p in Path(sysconfig.get_paths()["purelib"]).glob("__editable__*ddcl_vq*.pth")]
+    assert pth and all(not line.startswith("import ") for p in pth for line in p.read_text().splitlines()), pth
