@@ -253,6 +253,22 @@ def test_yaml_alias_bomb_deep_nesting_and_huge_files_are_one_line(tmp_path, caps
         load_config(tmp_path / "ok.yaml")
 
 
+def test_study_files_are_bounded_like_configs(tmp_path, capsys):
+    """Both study commands read their YAML through the same bounded reader as a training config."""
+    from ddcl_vq.eval.prior.study import read_prior_study
+    from ddcl_vq.eval.study.config import read_study_file
+
+    (tmp_path / "bomb.yaml").write_text(alias_bomb())
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    for read in (read_study_file, read_prior_study):
+        start = time.time()
+        with pytest.raises(ConfigError, match=f"expands to more than {MAX_VALUES:,} values") as err:
+            read(tmp_path / "bomb.yaml")
+        assert "lol" not in str(err.value) and time.time() - start < 10
+        with pytest.raises(ConfigError, match="expected a mapping at the top, got list"):
+            read(tmp_path / "list.yaml")
+
+
 # --------------------------------------------------------------------------- 7. full disk
 
 def test_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_survives(tmp_path):

@@ -112,3 +112,11 @@ def read_yaml(path: Path, what: str) -> Any:
         return load_yaml_text(text, f"{what} {str(path)!r}") or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
+def read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
+    """:func:`read_yaml` for a file whose top level must be a mapping (a config or a study file)."""
+    raw = read_yaml(path, what)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {str(path)!r}: expected a mapping at the top, got {type(raw).__name__}")
+    return raw

@@ -36,6 +36,7 @@ import yaml
 from ddcl_vq.train.errors import UserError, entry_point
 from ddcl_vq.train.settings import ConfigError, Options, Rules, build, option
 from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+from ddcl_vq.train.yamlfile import read_yaml_mapping
 
 QUICK_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
                "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
@@ -114,14 +115,7 @@ class PriorStudyError(UserError, RuntimeError):
 
 def read_prior_study(path: str | Path) -> PriorStudyFile:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study file {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"study file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"study file {str(path)!r}: expected a mapping at the top")
+    raw = read_yaml_mapping(path, "study file")  # bounded: size, nesting, alias expansion
     try:
         spec = build(PriorStudyFile, {k: v for k, v in raw.items() if v is not None}, RULES,
                      name=lambda key: f"key {key!r}")

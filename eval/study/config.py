@@ -60,6 +60,7 @@ from ddcl_vq.train.config import Config, apply_overrides
 from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.settings import ConfigError, Rules, build
 from ddcl_vq.train.testset import EVAL_BATCH_SIZE
+from ddcl_vq.train.yamlfile import read_yaml_mapping
 
 QUICK_OVERRIDES = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
@@ -177,14 +178,7 @@ def _sweep_suffix(key: str, value: Any) -> str:
 
 def read_study_file(path: Path) -> StudyFile:
     """The study YAML at ``path``, type-checked (``null`` values mean "not set")."""
-    if not path.is_file():
-        raise ConfigError(f"study file {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"study file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"study file {str(path)!r}: expected a mapping at the top, got {type(raw).__name__}")
+    raw = read_yaml_mapping(path, "study file")  # bounded: size, nesting, alias expansion
     try:
         spec = build(StudyFile, {k: v for k, v in raw.items() if v is not None}, STUDY_RULES,
                      name=lambda key: f"key {key!r}")
