@@ -7,13 +7,13 @@ corners of the hypercube. An entropy loss (low per-vector entropy, high batch en
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
-from .vqp import peer_class
+from .base import QuantizerOutput, Quantizer, flatten
+from .vqp import peer_class, peer_output
 
 
 class LFQQuantizer(Quantizer):
@@ -52,13 +52,7 @@ class LFQQuantizer(Quantizer):
             return self.empty_output(flat, last_shape, ("entropy_aux",))
         with torch.autocast(device_type=z.device.type, enabled=False):
             quantized, indices, loss = self.lfq(flat.float().unsqueeze(0))
-        indices = indices.reshape(-1).long()
-        loss = loss.reshape(()).float() if loss.numel() == 1 else loss.sum().float()
-        return QuantizerOutput(
-            quantized=unflatten(quantized.reshape(-1, self.dim).to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"entropy_aux": loss.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+        return peer_output(self, z, last_shape, quantized, indices, loss.float(), "entropy_aux")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", lfq_kwargs={self.lfq_kwargs}" if self.lfq_kwargs else "")

@@ -14,9 +14,9 @@ from typing import Any, Dict
 import torch
 from torch import Tensor, nn
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, flatten, unflatten
+from .base import QuantizerOutput, Quantizer, flatten
 from .distributed import all_reduce_sum_, broadcast_, is_distributed
-from .vqp import peer_class
+from .vqp import peer_class, peer_output
 
 
 class SimVQQuantizer(Quantizer):
@@ -82,13 +82,7 @@ class SimVQQuantizer(Quantizer):
             if self.training and not bool(self.initialized):
                 self._init_from_data(flat.detach().float())
             quantized, indices, loss = self.vq(flat.float().unsqueeze(0))
-        indices = indices.reshape(-1).long()
-        loss = loss.reshape(()) if loss.numel() == 1 else loss.sum()
-        return QuantizerOutput(
-            quantized=unflatten(quantized.reshape(-1, self.dim).to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"commitment": loss.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+        return peer_output(self, z, last_shape, quantized, indices, loss, "commitment")
 
     @torch.no_grad()
     def _init_from_data(self, x: Tensor) -> None:

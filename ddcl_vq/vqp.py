@@ -26,6 +26,19 @@ def peer_class(name: str, qtype: str) -> type:
     return getattr(module, name)
 
 
+def peer_output(quantizer: Quantizer, z: Tensor, last_shape, quantized: Tensor, indices: Tensor, loss: Tensor,
+                term: str) -> QuantizerOutput:
+    """A vector-quantize-pytorch module's ``(quantized (1, N, D), indices, loss)`` as the common output, in
+    ``z``'s layout and dtype; the peer's loss (a scalar or one per codebook, summed) is ``terms[term]``."""
+    indices = indices.reshape(-1).long()
+    loss = loss.reshape(()) if loss.numel() == 1 else loss.sum()
+    return QuantizerOutput(
+        quantized=unflatten(quantized.reshape(-1, quantizer.dim).to(z.dtype), last_shape, quantizer.channel_dim),
+        indices=unflatten(indices, last_shape, quantizer.channel_dim), loss=loss,
+        terms={term: loss.detach()},
+        perplexity=batch_perplexity(indices, quantizer.num_codes))
+
+
 class VQPQuantizer(Quantizer):
     """Wraps ``vector_quantize_pytorch.VectorQuantize(dim, codebook_size, **vq_kwargs)``.
 
@@ -53,13 +66,7 @@ class VQPQuantizer(Quantizer):
         with torch.autocast(device_type=z.device.type, enabled=False):
             x = flat.float() if flat.dtype != torch.float64 else flat
             quantized, indices, loss = self.vq(x.unsqueeze(0))
-        indices = indices.reshape(-1).long()
-        loss = loss.reshape(()) if loss.numel() == 1 else loss.sum()
-        return QuantizerOutput(
-            quantized=unflatten(quantized.reshape(-1, self.dim).to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"commitment": loss.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+        return peer_output(self, z, last_shape, quantized, indices, loss, "commitment")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", vq_kwargs={self.vq_kwargs}"
