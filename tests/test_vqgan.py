@@ -356,3 +356,32 @@ def test_two_processes_one_discriminator(tmp_path):
     assert not torch.equal(a["main.0.weight"], fresh.disc.state_dict()["main.0.weight"])  # it trained
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert state["step"] == 2 and "discriminator" in state["gan"]
+
+
+# --------------------------------------------------------------------------- the VQGAN study
+
+def test_vqgan_study_is_the_photos64_recipe_with_each_quantizer():
+    """configs/study_vqgan.yaml: every arm is configs/vqgan_photos64.yaml with only its quantizer (and,
+    for ddcl_mse, the loss) changed, so the study measures the recipe the docs describe."""
+    from pathlib import Path
+
+    from ddcl_vq.eval.study.config import load_study
+
+    root = Path(__file__).resolve().parents[1]
+    study = load_study(root / "configs" / "study_vqgan.yaml")
+    assert study.seeds == [0, 1, 2] and study.eval.max_images == 0 and study.eval.split == "test"
+    recipe = load_config(root / "configs" / "vqgan_photos64.yaml", ["train.eval_images=0"]).to_dict()
+    changed = {}
+    for arm in (a for a in study.arms if a.seed == 0):
+        cfg = arm.config.to_dict()
+        changed[arm.group] = {f"{s}.{k}" for s in cfg for k in cfg[s] if cfg[s][k] != recipe[s][k]} - {
+            "run.name", "run.dir"}
+    assert changed == {
+        "ddcl": set(),
+        "ddcl_mse": {"loss.pixel", "loss.perceptual_weight", "loss.disc_weight"},
+        "hard": {"quantizer.type", "train.codebook_lr_ratio"},             # beta 0.25 is the default
+        "ema_restart": {"quantizer.type", "quantizer.decay", "quantizer.dead_code_threshold"},
+        "vqp_kmeans_expiry": {"quantizer.type", "quantizer.vqp"},
+        "fsq": {"quantizer.type", "train.codebook_lr_ratio"}}
+    mse = next(a.config for a in study.arms if a.group == "ddcl_mse")
+    assert (mse.loss.pixel, mse.loss.perceptual_weight, mse.loss.disc_weight) == ("l2", 0.0, 0.0)
