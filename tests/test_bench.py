@@ -43,7 +43,7 @@ def test_plan_skips_what_does_not_fit_and_says_why():
 def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
-                       "--repeats", "1", "--no-e2e", "--no-progress", "--json", str(out)]) == 0
+                       "--repeats", "1", "--no-e2e", "--no-vqgan", "--no-progress", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["cores"] >= 1 and data["meta"]["memory_method"] in ("rss", "subprocess")
     assert {r["impl"] for r in data["rows"]} == {"ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
@@ -92,3 +92,39 @@ def test_first_batch_row_measures_a_fresh_quantizer():
     assert rows["ddcl-first"]["ms"] > 0 and rows["ddcl-first"]["floor_matmuls"] == 3
     assert "ddcl-first" in format_table(list(rows.values()))
     assert "first training batch" in IMPLS["ddcl-first"]
+
+
+def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
+    # real modules: configs/vqgan_photos64.yaml through the training package, LPIPS with its real weights
+    from ddcl_vq.eval.bench.vqgan import VQGAN_ARMS, vqgan_setups, vqgan_rows
+    rows = {r["impl"]: r for r in vqgan_rows(repeats=2, warmup=0, batch=2)}
+    assert set(rows) == {"vqgan-step-ddcl", "vqgan-step-hardvq"}
+    for r in rows.values():
+        assert r["ms"] > 0 and r["cpu_ms"] > 0 and r["runs"] == 2
+        assert r["ratio_vs_hardvq"] > 0 and r["paired_ratio_vs_hardvq"] > 0 and r["cpu_paired_ratio_vs_hardvq"] > 0
+        assert r["input_shape"] == [2, 3, 64, 64] and r["batch"] == 2
+        assert r["N"] == 2 * 16 * 16 and r["D"] == 32 and r["K"] == 1024
+        assert r["disc_on"] is True and r["perceptual_net"] == "alex"
+    assert rows["vqgan-step-hardvq"]["ratio_vs_hardvq"] == 1.0
+    assert rows["vqgan-step-ddcl"]["path"] == "mstep"
+    text = format_table(list(rows.values()))
+    assert "vqgan-step-ddcl" in text and "input 2x3x64x64, discriminator on" in text
+    # the arms are the recipe's DDCL and configs/study_vqgan.yaml's hard arm, built as the loop builds them
+    from ddcl_vq.train.yamlfile import read_yaml
+    from ddcl_vq.eval.bench.steps import CONFIGS_DIR
+    study = read_yaml(CONFIGS_DIR / "study_vqgan.yaml", "study")
+    hard = next(a for a in study["arms"] if a["name"] == "hard")["overrides"]
+    assert dict(VQGAN_ARMS)["hardvq"] == tuple(f"{k}={v}" for k, v in hard.items())
+    (setups, _), reason = vqgan_setups()
+    assert reason is None
+    assert type(setups["hardvq"][1].quantizer).__name__ == "HardVQ" and setups["hardvq"][1].quantizer.beta == 0.25
+    assert type(setups["ddcl"][1].quantizer).__name__ == "DDCLQuantizer"
+    assert all(s[4].disc is not None and s[4].perceptual is not None for s in setups.values())
+
+
+def test_vqgan_rows_are_skipped_with_the_reason_without_the_config(tmp_path, capsys):
+    from ddcl_vq.eval.bench.vqgan import vqgan_rows
+    rows = vqgan_rows(repeats=1, warmup=0, batch=2, configs=tmp_path)
+    assert [r["impl"] for r in rows] == ["vqgan-step-ddcl", "vqgan-step-hardvq"]
+    assert all(r["ms"] is None and "vqgan_photos64.yaml not found" in r["skipped"] for r in rows)
+    assert "skipped: VQGAN-recipe step" in format_table(rows)

@@ -2,7 +2,8 @@
 
 :func:`train` reads on one screen; its named pieces are :class:`Checkpoints` (resume and
 atomic saves), :class:`RunLog` (metrics.jsonl, TensorBoard, progress bar, usage window,
-image grids) and :func:`end_of_run_evaluation`. The quantizer is driven only through the
+image grids), :func:`training_step` (one step: forward, loss, backward, optimizer, discriminator;
+``ddcl-vq bench`` times it too) and :func:`end_of_run_evaluation`. The quantizer is driven only through the
 ``ddcl_vq.Quantizer`` interface: ``step()`` once per optimizer step (DDCL advances its
 temperature schedule), ``log_stats()`` for extra scalars, ``has_soft_codes`` for image grids.
 
@@ -20,7 +21,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from ddcl_vq.models import VQVAE, VQVAEOutput
 
 from .builders import build_model, build_optimizer, lr_lambda
 from .checkpoint import latest_checkpoint, load_into, prune_periodic, save_checkpoint
-from .config import Config, dump_config
+from .config import Config, TrainConfig, dump_config
 from .data import EpochBatches, build_dataset, image_channels, make_loader, resolve_workers
 from .errors import UserError, one_line
 from .losses import GANStep
@@ -306,13 +307,50 @@ def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.dev
                 codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})
 
 
-def _mixed_precision(amp: str, device: torch.device) -> tuple[Callable, torch.amp.GradScaler]:
+def mixed_precision(amp: str, device: torch.device) -> tuple[Callable, torch.amp.GradScaler]:
+    """``train.amp`` -> (a context-manager factory for the forward, the GradScaler: enabled for fp16 only)."""
     amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     if amp_dtype is torch.float16 and device.type != "cuda":
         raise ConfigError("config key 'train.amp': fp16 needs a CUDA device, this run is on the CPU; use "
                           "train.amp=bf16 or none")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
     return autocast, torch.amp.GradScaler("cuda", enabled=amp_dtype is torch.float16)
+
+
+def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.optim.Optimizer, scheduler,
+                  t: TrainConfig, *, forward: Optional[torch.nn.Module] = None, autocast: Callable = nullcontext,
+                  scaler: Optional[torch.amp.GradScaler] = None,
+                  gan: Optional[GANStep] = None) -> Tuple[torch.Tensor, torch.Tensor, VQVAEOutput]:
+    """One training step on the batch ``x``: forward, the loss (the plain MSE, or ``gan``'s generator
+    loss: pixel, perceptual, adversarial), backward, gradient clipping, the optimizer and lr-schedule
+    steps; then the discriminator's step (``gan``) and the quantizer's per-step state.
+    -> (loss, recon_loss, out). ``step``: optimizer steps done before this one; ``forward``: the module
+    to call (the DDP wrapper of ``model``), default ``model``; ``autocast``, ``scaler``:
+    :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
+    forward = model if forward is None else forward
+    scaler = torch.amp.GradScaler("cuda", enabled=False) if scaler is None else scaler
+    with autocast():
+        out = forward(x)
+    if gan is None:
+        recon_loss = F.mse_loss(out.reconstruction.float(), x)
+        loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
+    else:  # the loss section: pixel, perceptual, adversarial (recon_loss: the pixel MSE, logged)
+        loss, recon_loss = gan.generator_loss(x, out.reconstruction, t.quantizer_loss_weight * out.quantizer.loss,
+                                              step)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    if t.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    if gan is not None:
+        gan.discriminator_step(x, out.reconstruction, step)
+    model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
+    return loss, recon_loss, out
 
 
 class EndOfRunEvaluationFailed(UserError, RuntimeError):
@@ -441,7 +479,7 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
         # themselves, and replicas_identical() checks that at every checkpoint.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    autocast, scaler = _mixed_precision(t.amp, device)
+    autocast, scaler = mixed_precision(t.amp, device)
     preview = torch.stack([test_set[i][0] for i in range(min(8, len(test_set)))]).to(device)
     log = RunLog(cfg, model, preview, step, device, is_main, quiet, checkpoints.log_state)
     if gan is not None:
@@ -457,27 +495,8 @@ def _steps(cfg: Config, env: Dict, model: VQVAE, optimizer, scheduler, checkpoin
                 checkpoints.save(step, periodic=False)
                 break
             x = images.to(device, non_blocking=True)
-            with autocast():
-                out = ddp_model(x)
-            if gan is None:
-                recon_loss = F.mse_loss(out.reconstruction.float(), x)
-                loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
-            else:  # the loss section: pixel, perceptual, adversarial (recon_loss: the pixel MSE, logged)
-                loss, recon_loss = gan.generator_loss(x, out.reconstruction, t.quantizer_loss_weight * out.quantizer.loss,
-                                                      step)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower train.lr or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if t.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            if gan is not None:
-                gan.discriminator_step(x, out.reconstruction, step)
-            model.quantizer.step()  # per-step quantizer state (DDCL: the temperature schedule)
+            loss, recon_loss, out = training_step(model, x, step, optimizer, scheduler, t, forward=ddp_model,
+                                                  autocast=autocast, scaler=scaler, gan=gan)
             step += 1
 
             log.after_step(step, loss, recon_loss, out, optimizer)

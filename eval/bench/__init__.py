@@ -12,7 +12,11 @@ the ratios are side by side:
 * the matmul floor: the six bare matmuls the full DDCL gradient needs at these shapes
   (Z·Wᵀ and Q·W forward; G·Wᵀ, dd·W, ddᵀ·Z, Qᵀ·G backward), operands preallocated;
 * with ``--e2e`` (default on): one training step (forward, backward, AdamW step) of the
-  default VQ-VAE (configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml), batch 128.
+  default VQ-VAE (configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml), batch 128;
+* unless ``--no-vqgan``: one VQGAN-recipe training step (configs/vqgan_photos64.yaml: L1 +
+  LPIPS + hinge PatchGAN with the adaptive weight, generator and discriminator steps, past
+  ``disc_start``) with DDCL vs configs/study_vqgan.yaml's HardVQ arm, 16 crops of 3x64x64,
+  through the training loop's own ``training_step``.
 
 Timing: wall clock, median of the timed repeats after warm-up; within a shape the
 implementations run round-robin (one repeat of each, then the next repeat), so a
@@ -33,6 +37,7 @@ listed as skipped with the reason, and repeats are cut to fit ``--budget-seconds
 
 Modules: ``cost`` (the cost model and the plan: what runs, how often, what is skipped),
 ``memory`` (peak-memory probes), ``steps`` (the measured steps: one quantizer training step
-per implementation, the matmul floor, the end-to-end VQ-VAE step), ``run`` (measuring a plan,
+per implementation, the matmul floor, the end-to-end VQ-VAE step), ``vqgan`` (the VQGAN-recipe
+step), ``run`` (measuring a plan,
 ratios), ``report`` (the table), ``cli`` (the command and its options).
 """

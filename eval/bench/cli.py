@@ -27,7 +27,8 @@ QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
 
 @dataclass(kw_only=True)
 class BenchOptions:
-    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192} and the VQ-VAE step; under a minute on 2 cores")
+    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192}, the VQ-VAE and VQGAN steps with few repeats; "
+                                "about a minute on 2 cores")
     json: Optional[str] = option(None, "write {'meta': ..., 'rows': [{impl, N, D, K, ms, peak_mb, ...}]}",
                                  metavar="FILE")
     shapes: Optional[List[str]] = option(None, "measure these shapes instead of the grid", nargs="+", metavar="N,D,K")
@@ -44,6 +45,8 @@ class BenchOptions:
     device: str = option("cpu", "measure on this device: cpu, or cuda (the current GPU; memory is then the CUDA "
                                 "allocator's peak above the inputs)")
     no_e2e: bool = option(False, "skip the VQ-VAE training-step comparison")
+    no_vqgan: bool = option(False, "skip the VQGAN-recipe training-step comparison (configs/vqgan_photos64.yaml, "
+                                   "generator + discriminator, batch 16 of 3x64x64, DDCL vs HardVQ)")
     no_prior: bool = option(False, "skip the prior row (sampling 64 images at 8x8 tokens; also skipped with --shapes)")
     no_progress: bool = option(False, "no progress bar")
     dry_run: bool = option(False, "print the plan (estimated seconds and memory, runs, skips) and exit without "
@@ -56,7 +59,8 @@ OPTIONS = Options(
     description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, "
                 "chunked paths; straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch "
                 "VectorQuantize (defaults) and the six-matmul floor, plus one default VQ-VAE training step "
-                "with DDCL vs HardVQ. Prints a table; --json writes the rows.",
+                "and one VQGAN-recipe training step (generator + discriminator) with DDCL vs HardVQ. Prints a "
+                "table; --json writes the rows.",
     epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
            "in memory or in --max-seconds is skipped and listed with the reason.\n"
            "Example: ddcl-vq bench --quick --json bench.json",
@@ -112,14 +116,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             total += runs * p.est_s
             print(f"{p.name:<22} N={p.shape[0]:<6} D={p.shape[1]:<4} K={p.shape[2]:<6} est {p.est_s:8.2f} s/run "
                   f"{p.est_bytes / 2**20:9.0f} MiB  " + (f"skip ({p.skip})" if p.skip else f"runs {runs}"))
-        print(f"estimated total: {total / 60:.1f} min (plus the VQ-VAE step unless --no-e2e)")
+        print(f"estimated total: {total / 60:.1f} min (plus the VQ-VAE step unless --no-e2e and the VQGAN step "
+              "unless --no-vqgan)")
         return 0
     t0 = time.perf_counter()
     meta = machine_info()
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
                      e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
-                     e2e_reference=not quick, progress=not args.no_progress, probe_warmup=quick, device=device)
+                     e2e_reference=not quick, vqgan=not args.no_vqgan, vqgan_repeats=3 if quick else 11,
+                     vqgan_warmup=1 if quick else 2, progress=not args.no_progress, probe_warmup=quick, device=device)
     prior_rows, prior_text = [], ""
     if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.eval.prior.bench
         from ddcl_vq.eval.prior.bench import bench_prior

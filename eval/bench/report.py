@@ -8,7 +8,8 @@ def format_table(rows: List[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("ms") is None:
-            lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
+            n, d, k = ("—" if r.get(key) is None else r[key] for key in ("N", "D", "K"))
+            lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
                          f"skipped: {r.get('skipped', '')}")
             continue
         peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
@@ -25,6 +26,10 @@ def format_table(rows: List[dict]) -> str:
                         + (f"; CPU time {r['cpu_paired_ratio_vs_hardvq']:.2f}x" if "cpu_paired_ratio_vs_hardvq" in r
                            else "") + ")"
                         + (f", path={r['path']}" if r.get("path") else ""))
+        if r.get("input_shape"):  # the VQGAN-recipe step
+            note.append(f"input {'x'.join(str(v) for v in r['input_shape'])}"
+                        + (", discriminator on" if r.get("disc_on") else "")
+                        + (f", LPIPS {r['perceptual_net']}" if r.get("perceptual_net") else ""))
         if r.get("fallback"):
             note.append(f"model: {r['source']} ({r['fallback']})")
         lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
@@ -43,7 +48,10 @@ x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shap
 DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first batch;
 ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and first-batch
 set-up included, every run); ddcl-<path> = straight_through with the codebook trained by gradient;
-ddcl-soft-<path> = soft mode (full gradient)."""
+ddcl-soft-<path> = soft mode (full gradient).
+Whole training steps, DDCL and HardVQ alternating round by round (ratios: to the HardVQ step of the same rounds):
+vqvae-step-* = configs/fashion_ddcl.yaml vs fashion_hard.yaml; vqgan-step-* = configs/vqgan_photos64.yaml
+(generator + discriminator, past disc_start) vs its HardVQ arm in configs/study_vqgan.yaml."""
 
 
 MEMORY_TEXT = {

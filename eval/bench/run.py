@@ -82,11 +82,12 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
-              e2e_batch: int = 128, e2e_reference: bool = True, progress: bool = False,
+              e2e_batch: int = 128, e2e_reference: bool = True, vqgan: bool = False, vqgan_repeats: int = 5,
+              vqgan_warmup: int = 2, vqgan_batch: int = 16, progress: bool = False,
               calibration: Optional[float] = None, probe_warmup: bool = False,
               device: str = "cpu") -> List[dict]:
-    """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step) on ``device`` ("cpu" or
-    "cuda"); returns rows with ratios. On CUDA memory is the allocator's peak (method "cuda")."""
+    """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step, ``e2e``, and the VQGAN-recipe
+    step, ``vqgan``) on ``device`` ("cpu" or "cuda"); returns rows with ratios. On CUDA memory is the allocator's peak (method "cuda")."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():
@@ -111,6 +112,9 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     if e2e:
         rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference,
                          device=device)
+    if vqgan:
+        from .vqgan import vqgan_rows
+        rows += vqgan_rows(repeats=vqgan_repeats, warmup=vqgan_warmup, batch=vqgan_batch, device=device)
     for r in rows:
         r["memory_method"] = memory
         r["device"] = device

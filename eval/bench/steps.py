@@ -1,5 +1,5 @@
 """What the bench measures: one training step of each quantizer implementation on shared
-inputs, the six-matmul floor, and one end-to-end VQ-VAE training step."""
+inputs, the six-matmul floor, and one end-to-end VQ-VAE training step (the VQGAN-recipe step: ``vqgan``)."""
 from __future__ import annotations
 
 import statistics
@@ -7,7 +7,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -188,19 +188,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
         return synchronized(step, torch.device(device))
 
     steps = {label: make(*v) for label, v in models.items()}
-    for s in steps.values():
-        for _ in range(warmup):
-            s()
-    times = {label: [] for label in steps}
-    cpu = {label: [] for label in steps}
-    for r in range(repeats):
-        order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
-        for label in order:
-            c0 = time.process_time()
-            times[label].append(time_once(steps[label]))
-            cpu[label].append(time.process_time() - c0)
-    med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
-    cpu_med = {label: statistics.median(v) * 1e3 for label, v in cpu.items()}
+    times, cpu = paired_times(steps, repeats, warmup)
     n = batch * 8 * 8
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
@@ -208,13 +196,37 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
         impl = q.resolve_implementation(n) if hasattr(q, "resolve_implementation") else None
         if label == "ddcl" and not takes_path:
             impl = "mstep"                       # soft statistics without autograd, no assignment path
-        # the ratio of the medians, and the median of the per-round ratios (robust to a
-        # neighbour's load changing between rounds: both steps of a round share it)
-        paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
-        cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
-        out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, ms=round(med[label], 3), peak_mb=None,
+        out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
-                        ratio_vs_hardvq=round(med[label] / med["hardvq"], 3),
-                        paired_ratio_vs_hardvq=round(paired, 3), cpu_ms=round(cpu_med[label], 3),
-                        cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3)))
+                        **ratios_vs_hardvq(label, times, cpu)))
     return out
+
+
+def paired_times(steps: Dict[str, Callable[[], None]], repeats: int,
+                 warmup: int) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """``warmup`` calls of each step, then ``repeats`` rounds of one call each, the order alternating
+    between rounds (who goes first); -> per label, the wall-clock seconds and the process CPU seconds
+    of every timed call."""
+    for s in steps.values():
+        for _ in range(warmup):
+            s()
+    times: Dict[str, List[float]] = {label: [] for label in steps}
+    cpu: Dict[str, List[float]] = {label: [] for label in steps}
+    for r in range(repeats):
+        order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
+        for label in order:
+            c0 = time.process_time()
+            times[label].append(time_once(steps[label]))
+            cpu[label].append(time.process_time() - c0)
+    return times, cpu
+
+
+def ratios_vs_hardvq(label: str, times: Dict[str, List[float]], cpu: Dict[str, List[float]]) -> dict:
+    """``label``'s median ms and its ratios to the ``hardvq`` step of the same rounds (wall clock and CPU
+    time): the ratio of the medians, and the median of the per-round ratios (robust to a neighbour's
+    load changing between rounds: both steps of a round share it)."""
+    med, ref = statistics.median(times[label]) * 1e3, statistics.median(times["hardvq"]) * 1e3
+    paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
+    cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
+    return dict(ms=round(med, 3), ratio_vs_hardvq=round(med / ref, 3), paired_ratio_vs_hardvq=round(paired, 3),
+                cpu_ms=round(statistics.median(cpu[label]) * 1e3, 3), cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3))
