@@ -149,7 +149,7 @@ def test_named_options_exist(capsys):
             with pytest.raises(SystemExit):
                 importlib.import_module(COMMANDS[command][0]).main(([sub] if sub else []) + ["--help"])
             helps[name] = capsys.readouterr().out
-        for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+        for option in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest):  # --no-e2e too
             assert re.search(rf"{option}(?![\w-])", helps[name]), \
                 f"{page.name}: `ddcl-vq {name} {option}` is not an option of ddcl-vq {name}"
             checked += 1
