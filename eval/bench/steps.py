@@ -164,10 +164,8 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
     """
     models, source, fallback = e2e_models()
     q_default = models["ddcl"][0].quantizer
-    if hasattr(q_default, "warmup_batches"):  # time the steady state, past the warm-up
-        q_default.warmup_batches.fill_(q_default.warmup_steps)
-    takes_path = not (getattr(q_default, "codebook_update", None) == "mstep"
-                      and getattr(q_default, "mode", None) == "straight_through")
+    skip_warmup(q_default)                     # time the steady state, past the warm-up
+    takes_path = assignment_path(q_default, batch * 8 * 8) != "mstep"
     if with_reference and takes_path:  # the same DDCL model on the reference path: what the fused path buys
         import copy
         ref_model = copy.deepcopy(models["ddcl"][0])
@@ -193,9 +191,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
         q = models[label][0].quantizer
-        impl = q.resolve_implementation(n) if hasattr(q, "resolve_implementation") else None
-        if label == "ddcl" and not takes_path:
-            impl = "mstep"                       # soft statistics without autograd, no assignment path
+        impl = assignment_path(q, n)
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
                         **ratios_vs_hardvq(label, times, cpu)))
@@ -230,3 +226,18 @@ def ratios_vs_hardvq(label: str, times: Dict[str, List[float]], cpu: Dict[str, L
     cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
     return dict(ms=round(med, 3), ratio_vs_hardvq=round(med / ref, 3), paired_ratio_vs_hardvq=round(paired, 3),
                 cpu_ms=round(statistics.median(cpu[label]) * 1e3, 3), cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3))
+
+
+def skip_warmup(quantizer) -> None:
+    """Put a DDCL quantizer past its quantization warm-up (time the steady state); others: nothing."""
+    if hasattr(quantizer, "warmup_batches"):
+        quantizer.warmup_batches.fill_(quantizer.warmup_steps)
+
+
+def assignment_path(quantizer, n: int) -> Optional[str]:
+    """The path a training step of ``quantizer`` takes on ``n`` vectors: ``"mstep"`` for the DDCL default
+    (straight_through with the M-step codebook: soft statistics without autograd, no assignment path),
+    else its ``resolve_implementation(n)`` (None for quantizers without one)."""
+    if getattr(quantizer, "codebook_update", None) == "mstep" and getattr(quantizer, "mode", None) == "straight_through":
+        return "mstep"
+    return quantizer.resolve_implementation(n) if hasattr(quantizer, "resolve_implementation") else None

@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from .steps import CONFIGS_DIR, paired_times, ratios_vs_hardvq, synchronized
+from .steps import CONFIGS_DIR, assignment_path, paired_times, ratios_vs_hardvq, skip_warmup, synchronized
 
 VQGAN_CONFIG = "vqgan_photos64.yaml"
 #: label -> overrides of configs/vqgan_photos64.yaml; "hardvq" is configs/study_vqgan.yaml's "hard" arm
@@ -81,9 +81,7 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
     from ddcl_vq.train.loop import training_step
     perm = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))[:batch]
     x = torch.stack([train_set[int(i)][0] for i in perm]).to(device)
-    q_default = setups["ddcl"][1].quantizer
-    if hasattr(q_default, "warmup_batches"):   # time the steady state, past the quantization warm-up
-        q_default.warmup_batches.fill_(q_default.warmup_steps)
+    skip_warmup(setups["ddcl"][1].quantizer)   # time the steady state, past the quantization warm-up
     n_vectors = {}
 
     def make(label: str, cfg, model, optimizer, scheduler, gan, autocast, scaler):
@@ -102,16 +100,10 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
     rows = []
     for label, overrides in VQGAN_ARMS:
         cfg, model = setups[label][:2]
-        q = model.quantizer
-        path = None
-        if getattr(q, "codebook_update", None) == "mstep" and getattr(q, "mode", None) == "straight_through":
-            path = "mstep"                           # soft statistics without autograd, no assignment path
-        elif hasattr(q, "resolve_implementation"):
-            path = q.resolve_implementation(n_vectors[label])
         gan = setups[label][4]
         rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model.latent_dim,
                          K=cfg.quantizer.num_codes, peak_mb=None, batch=batch, input_shape=list(x.shape),
-                         runs=repeats, path=path, source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
+                         runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]), source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
                          disc_on=bool(gan is not None and gan.disc_active(cfg.loss.disc_start)),
                          perceptual_net=cfg.loss.perceptual_net if cfg.loss.perceptual_weight > 0 else None,
                          **ratios_vs_hardvq(label, times, cpu)))
