@@ -3,6 +3,7 @@ and the generative loop end to end (tiny tokenizer -> tokenize -> prior -> sampl
 
 Real parts only: a real (tiny) tokenizer trained on Fashion-MNIST, real token files, the real
 commands. Sizes are tiny so the file runs in well under a minute on one shared core."""
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -264,6 +265,22 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     assert [a.name for a in quick[1].arms] == ["ddcl_k256_s0"] and quick[5] == [0]
     assert load_prior_config(None, quick[2]).train.steps == 3
 
+
+
+def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
+    """configs/study_prior_cpu.yaml: the same tokenizers, evaluation and prior model; only the
+    prior's steps (600) and its evaluation interval change."""
+    from ddcl_vq.eval.prior.config import load_prior_config
+    from ddcl_vq.eval.prior.study import load_prior_study
+
+    full = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)
+    cpu = load_prior_study(ROOT / "configs/study_prior_cpu.yaml", out=tmp_path)
+    assert [(a.name, a.config) for a in cpu[1].arms] == [(a.name, a.config) for a in full[1].arms]
+    assert cpu[3:6] == full[3:6]
+    full_prior, cpu_prior = load_prior_config(None, full[2]), load_prior_config(None, cpu[2])
+    assert cpu_prior.model == full_prior.model
+    assert (cpu_prior.train.steps, cpu_prior.train.eval_every) == (600, 300)
+    assert dataclasses.replace(cpu_prior.train, steps=2000, eval_every=500) == full_prior.train
 
 def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
     from ddcl_vq.eval.prior.study import aggregate, markdown, write_plot
