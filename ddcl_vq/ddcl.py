@@ -127,8 +127,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             ``"soft"``: decoder sees ẑ; L_q trains encoder and codebook jointly (the papers'
             readout form; prone to collapse in a VQ-VAE, see docs/results.md).
             ``"soft_straight_through"``: decoder sees w_{k*}, gradients as if it were ẑ.
-        beta: commitment weight (``straight_through`` mode only; 1.0, as vector-quantize-pytorch,
-            against the VQ-VAE paper's 0.25 that HardVQ and EMAVQ keep: docs/screens.md).
+        beta: commitment weight (``straight_through`` mode only).
         codebook_init: ``"kmeans"`` (default: k-means on the first training batch, identical on
             every process; when the batch has fewer vectors than codes, repeated seeds are
             separated by a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) as in the
@@ -164,7 +163,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
     def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.03,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
-                 mode: str = "straight_through", beta: float = 1.0,
+                 mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
                  revive_criterion: str = "usage", restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,

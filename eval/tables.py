@@ -10,7 +10,6 @@ from typing import Dict, List, Optional, Sequence
 
 from .metrics import definitions
 from .runlog import ms_per_step, train_seconds
-from ddcl_vq.train.config import effective_quantizer_value
 
 COLUMNS = [  # (key, header, format)
     ("name", "run", "s"), ("type", "quantizer", "s"), ("num_codes", "K", "d"), ("settings", "settings", "s"),
@@ -59,15 +58,13 @@ def settings_text(cfg) -> str:
                if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
             + (["rotation trick"] if q.encoder_gradient == "rotation" else [])
-        beta = [f"β={effective_quantizer_value(q, 'beta'):g}"] if q.mode == "straight_through" else []
-        return ", ".join([q.mode, tau] + beta + [codebook] + extra)
+        return ", ".join([q.mode, tau, codebook] + extra)
     if q.type == "hard":
-        extra = [f"β={effective_quantizer_value(q, 'beta'):g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
+        extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
     if q.type == "ema":
-        decay = effective_quantizer_value(q, "decay")
-        return f"decay={decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
-            else f"decay={decay:g}, no restart"
+        return f"decay={q.decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
+            else f"decay={q.decay:g}, no restart"
     if q.type in ("vqp", "simvq", "lfq"):
         options = getattr(q, q.type)
         text = "defaults" if not options else ", ".join(f"{k}={v}" for k, v in options.items())

@@ -239,18 +239,15 @@ def test_config_defaults_are_the_library_defaults():
     from ddcl_vq import DDCLQuantizer
     from ddcl_vq.models import Decoder, Encoder
     from ddcl_vq.train.builders import build_quantizer, quantizer_kwargs
-    from ddcl_vq.train.config import (NOT_IN_CONFIG, PER_QUANTIZER_DEFAULT, QUANTIZER_CLASSES, QuantizerConfig,
-                                      effective_quantizer_value)
+    from ddcl_vq.train.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
 
     cfg = Config()
-    assert PER_QUANTIZER_DEFAULT == ("decay", "beta")
     for qtype, cls in QUANTIZER_CLASSES.items():
         for name, p in inspect.signature(cls).parameters.items():
             if p.default is p.empty or name in NOT_IN_CONFIG or p.kind is p.VAR_KEYWORD:
                 continue
-            expected = None if name in PER_QUANTIZER_DEFAULT else p.default
+            expected = None if name == "decay" else p.default
             assert getattr(cfg.quantizer, name) == expected, (qtype, name)
-            assert effective_quantizer_value(QuantizerConfig(type=qtype), name) == p.default, (qtype, name)
     assert set(NOT_IN_CONFIG) >= {"num_codes", "dim", "channel_dim", "schedule_steps"}
     for name in ("channels", "num_res_blocks", "num_downsamples", "latent_dim", "res_hidden"):
         assert getattr(cfg.model, name) == inspect.signature(Encoder).parameters[name].default \
@@ -266,10 +263,6 @@ def test_config_defaults_are_the_library_defaults():
     assert build_quantizer(QuantizerConfig(), 8).decay == signature["decay"].default
     ema = QuantizerConfig(type="ema")
     assert "decay" not in quantizer_kwargs(ema, 8) and build_quantizer(ema, 8).decay == 0.99
-    # beta likewise: DDCL's commitment weight 1.0, HardVQ's and EMAVQ's the VQ-VAE paper's 0.25
-    assert build_quantizer(QuantizerConfig(), 8).beta == signature["beta"].default == 1.0
-    assert build_quantizer(QuantizerConfig(type="hard"), 8).beta == build_quantizer(ema, 8).beta == 0.25
-    assert build_quantizer(QuantizerConfig(type="hard", beta=0.5), 8).beta == 0.5
 
 
 def test_config_choices_are_what_the_quantizers_accept():

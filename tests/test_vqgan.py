@@ -379,7 +379,7 @@ def test_vqgan_study_is_the_photos64_recipe_with_each_quantizer():
     assert changed == {
         "ddcl": set(),
         "ddcl_mse": {"loss.pixel", "loss.perceptual_weight", "loss.disc_weight"},
-        "hard": {"quantizer.type", "quantizer.beta", "train.codebook_lr_ratio"},  # beta 0.25 stated: HardVQ's own
+        "hard": {"quantizer.type", "train.codebook_lr_ratio"},             # beta 0.25 is the default
         "ema_restart": {"quantizer.type", "quantizer.decay", "quantizer.dead_code_threshold"},
         "vqp_kmeans_expiry": {"quantizer.type", "quantizer.vqp"},
         "fsq": {"quantizer.type", "train.codebook_lr_ratio"}}

@@ -35,7 +35,7 @@ from .settings import ConfigError, Rules, apply, check, did_you_mean, keys_of, l
 from .yamlfile import load_yaml_text, read_yaml  # bounded YAML (size, nesting, aliases)
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
-           "validate", "effective_quantizer_value", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
+           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
            "NOT_IN_CONFIG", "signature_fields"]
 
 
@@ -99,19 +99,8 @@ NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", 
                  "schedule_steps": "train.steps", "chunk_size": "the constructor default",
                  "chunk_threshold_bytes": "the constructor default", "eps": "the constructor default"}
 #: keys several quantizers share whose defaults differ between them: None = "the quantizer's own default"
-#: (decay: ddcl 0.9, ema 0.99; beta, the commitment weight: ddcl 1.0, hard and ema 0.25)
-PER_QUANTIZER_DEFAULT = ("decay", "beta")
-
-
-def effective_quantizer_value(q: Any, name: str) -> Any:
-    """The value quantizer ``q.type`` is built with for key ``name``: ``q.<name>``, or for a
-    :data:`PER_QUANTIZER_DEFAULT` key left None the quantizer class's own default (None when the
-    type has no such argument)."""
-    value = getattr(q, name)
-    if value is not None or name not in PER_QUANTIZER_DEFAULT or q.type not in QUANTIZER_CLASSES:
-        return value
-    parameter = inspect.signature(QUANTIZER_CLASSES[q.type].__init__).parameters.get(name)
-    return None if parameter is None else parameter.default
+#: (ddcl 0.9, ema 0.99)
+PER_QUANTIZER_DEFAULT = ("decay",)
 
 
 def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
@@ -394,17 +383,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
 
 
 def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every setting that differs between two resolved configs.
-    A :data:`PER_QUANTIZER_DEFAULT` key compares by the value the quantizer is built with (a run saved
-    with ``beta: 0.25`` and one asking for null = HardVQ's own default 0.25 do not differ)."""
-    def values(cfg: Config) -> Dict[str, Any]:
-        out = dict(leaves(cfg))
-        for name in PER_QUANTIZER_DEFAULT:
-            out[f"quantizer.{name}"] = effective_quantizer_value(cfg.quantizer, name)
-        return out
-
-    new_values = values(new)
-    return [(key, value, new_values[key]) for key, value in values(old).items() if new_values[key] != value]
+    """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
+    new_values = dict(leaves(new))
+    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
 
 
 def dump_config(cfg: Config) -> str:
