@@ -3,10 +3,13 @@ COLUMN_DEFINITIONS), as markdown, CSV and JSON, with the footer saying what was 
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from ddcl_vq import EMAVQ
 
 from .metrics import definitions
 from .runlog import ms_per_step, train_seconds
@@ -42,6 +45,9 @@ ms/step         = milliseconds of wall-clock time per training step, from metric
                   once (--jobs > 1) or on a loaded machine share the cores"""
 
 
+EMAVQ_DEFAULT_DECAY = inspect.signature(EMAVQ.__init__).parameters["decay"].default
+
+
 def settings_text(cfg) -> str:
     q, t = cfg.quantizer, cfg.train
     if q.type == "ddcl":
@@ -63,8 +69,9 @@ def settings_text(cfg) -> str:
         extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
     if q.type == "ema":
-        return f"decay={q.decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
-            else f"decay={q.decay:g}, no restart"
+        decay = q.decay if q.decay is not None else EMAVQ_DEFAULT_DECAY  # null: EMAVQ's own default
+        return f"decay={decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
+            else f"decay={decay:g}, no restart"
     if q.type in ("vqp", "simvq", "lfq"):
         options = getattr(q, q.type)
         text = "defaults" if not options else ", ".join(f"{k}={v}" for k, v in options.items())

@@ -261,3 +261,15 @@ def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
     bad.write_text(yaml.safe_dump({"arm": []}))
     with pytest.raises(ConfigError, match="unknown key 'arm'"):
         load_study(bad)
+
+
+def test_settings_text_of_an_ema_run_without_a_decay_names_emavqs_own_default():
+    """quantizer.decay null means "the quantizer's own default"; the tables say which (it crashed before)."""
+    from ddcl_vq.eval.tables import settings_text
+    from ddcl_vq.train.config import Config
+
+    ema = Config.from_dict({"quantizer": {"type": "ema"}})
+    assert ema.quantizer.decay is None
+    assert settings_text(ema) == "decay=0.99, no restart"
+    restart = Config.from_dict({"quantizer": {"type": "ema", "decay": 0.9, "dead_code_threshold": 0.1}})
+    assert settings_text(restart) == "decay=0.9, dead-code restart<0.1"
