@@ -266,7 +266,6 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     assert load_prior_config(None, quick[2]).train.steps == 3
 
 
-
 def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     """configs/study_prior_cpu.yaml: the same tokenizers, evaluation and prior model; only the
     prior's steps (600) and its evaluation interval change."""
@@ -281,6 +280,7 @@ def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     assert cpu_prior.model == full_prior.model
     assert (cpu_prior.train.steps, cpu_prior.train.eval_every) == (600, 300)
     assert dataclasses.replace(cpu_prior.train, steps=2000, eval_every=500) == full_prior.train
+
 
 def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
     from ddcl_vq.eval.prior.study import aggregate, markdown, write_plot

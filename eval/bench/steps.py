@@ -238,6 +238,7 @@ def assignment_path(quantizer, n: int) -> Optional[str]:
     """The path a training step of ``quantizer`` takes on ``n`` vectors: ``"mstep"`` for the DDCL default
     (straight_through with the M-step codebook: soft statistics without autograd, no assignment path),
     else its ``resolve_implementation(n)`` (None for quantizers without one)."""
-    if getattr(quantizer, "codebook_update", None) == "mstep" and getattr(quantizer, "mode", None) == "straight_through":
+    mstep = getattr(quantizer, "codebook_update", None) == "mstep"
+    if mstep and getattr(quantizer, "mode", None) == "straight_through":
         return "mstep"
     return quantizer.resolve_implementation(n) if hasattr(quantizer, "resolve_implementation") else None

@@ -103,7 +103,8 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
         gan = setups[label][4]
         rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model.latent_dim,
                          K=cfg.quantizer.num_codes, peak_mb=None, batch=batch, input_shape=list(x.shape),
-                         runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]), source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
+                         runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]),
+                         source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
                          disc_on=bool(gan is not None and gan.disc_active(cfg.loss.disc_start)),
                          perceptual_net=cfg.loss.perceptual_net if cfg.loss.perceptual_weight > 0 else None,
                          **ratios_vs_hardvq(label, times, cpu)))
