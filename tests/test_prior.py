@@ -299,3 +299,29 @@ def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
     assert "5.5000 ± 0.7071" in table and "4.0000 ± —" in table
     write_plot(tmp_path / "p.png", groups)
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_study_end_to_end_then_report_only_trains_nothing(tmp_path, monkeypatch):
+    """A --quick study of one tokenizer and one prior seed; then --report-only over every tokenizer
+    and two prior seeds tabulates the finished prior again and names, without training, the rest."""
+    from ddcl_vq.eval.prior.study import finished_prior, run_prior_study
+
+    monkeypatch.setenv("DDCL_VQ_CACHE", str(tmp_path / "cache"))
+    out, study = tmp_path / "study", ROOT / "configs/study_prior.yaml"
+    first = run_prior_study(study, quick=True, out=out, arms=["ddcl_k256*"], prior_seeds=[0], progress=False)
+    (run,) = first["runs"]
+    assert run["name"] == "ddcl_k256_s0_p0" and run["prior_steps"] == 3 and first["left_out"] == []
+    assert 0 < run["bits_per_token"] < 2 * run["log2_k"] and run["fd_samples"] > 0
+    report = run_prior_study(study, quick=True, out=out, prior_seeds=[0, 1], progress=False, report_only=True)
+    assert [r["name"] for r in report["runs"]] == ["ddcl_k256_s0_p0"]
+    assert report["runs"][0]["bits_per_token"] == run["bits_per_token"]
+    assert {"ddcl_k256_s0_p1", "hard_k256_s0", "fsq_k1024_s0"} <= set(report["left_out"])
+    assert sorted(p.name for p in (out / "priors").iterdir()) == ["ddcl_k256_s0_p0"]
+    assert sorted(p.name for p in (out / "tokenizers" / "runs").iterdir()) == ["ddcl_k256_s0"]
+    assert "Not finished, left out of the table: ddcl_k256_s0_p1, " in (out / "table.md").read_text()
+
+    prior_dir = out / "priors" / "ddcl_k256_s0_p0"  # finished means: all steps, with the same settings
+    assert finished_prior(load_prior_config(prior_dir / "config.yaml"))["step"] == 3
+    assert finished_prior(load_prior_config(prior_dir / "config.yaml", ["train.steps=4"])) is None
+    assert finished_prior(load_prior_config(prior_dir / "config.yaml", ["model.dropout=0.2"])) is None
+    assert finished_prior(load_prior_config(prior_dir / "config.yaml", ["train.log_every=2"]))["step"] == 3

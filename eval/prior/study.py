@@ -19,7 +19,9 @@ For every finished tokenizer: tokenize the train and test splits (OUT/tokens/), 
 per prior seed (OUT/priors/<tokenizer>_p<seed>), evaluate it (``ddcl-vq prior evaluate``), then one
 table (OUT/table.md, .csv, .json: mean ± sd over the prior seeds beside the tokenizer's PSNR and
 utilization) and one plot (OUT/recon_vs_generation.png). Everything resumes: finished tokenizers,
-token files, priors and evaluations are reused when the same command runs again.
+token files, priors and evaluations are reused when the same command runs again. A study run in
+pieces (``--arms``, ``--prior-seeds``) writes each piece's table; ``--report-only`` trains nothing
+and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
 """
 from __future__ import annotations
 
@@ -172,7 +174,8 @@ def load_prior_study(path: str | Path, quick: bool = False, out: Optional[str | 
 
 def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None, arms: Sequence[str] = (),
                     prior_seeds: Optional[Sequence[int]] = None, progress: bool = True,
-                    command: Optional[str] = None) -> Dict:
+                    command: Optional[str] = None, report_only: bool = False) -> Dict:
+    """Train (unless ``report_only``), evaluate and tabulate; -> {groups, runs, out, ...}."""
     from ddcl_vq.eval.study.run import run_study
     from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
 
@@ -184,18 +187,23 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
     started = time.time()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     say(f"tokenizers: {len(study.arms)} run(s) -> {study.out}")
-    result = run_study(study, train_arms=True, progress=progress)
+    result = run_study(study, train_arms=not report_only, progress=progress)
     by_name = {row["name"]: row for row in result["rows"]}
     runs: List[Dict] = []
+    left_out: List[str] = []
     for arm in study.arms:
         if arm.name not in by_name:
             say(f"{arm.name}: tokenizer did not finish; left out")
+            left_out.append(arm.name)
             continue
         trow = by_name[arm.name]
         run_dir = Path(arm.config.run.dir)
-        files = {}
+        files = {split: out_dir / "tokens" / f"{arm.name}_{split}.npy" for split in ("train", "test")}
+        if report_only and not all(f.is_file() for f in files.values()):
+            say(f"{arm.name}: not tokenized; left out")
+            left_out.append(arm.name)
+            continue
         for split, limit in (("train", tok["train_images"]), ("test", tok["test_images"])):
-            files[split] = out_dir / "tokens" / f"{arm.name}_{split}.npy"
             if not files[split].is_file():
                 say(f"{arm.name}: tokenizing the {split} split")
                 tokenize_run(run_dir, split, files[split], tok["batch_size"], limit)
@@ -206,8 +214,15 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
                 f"data.tokenizer={run_dir}", f"data.train_tokens={files['train']}",
                 f"data.test_tokens=[{json.dumps(str(files['test']))}]", f"run.dir={prior_dir}", f"run.name={name}",
                 f"run.seed={seed}"])
-            say(f"{name}: prior")
-            summary = train_prior(cfg, quiet=True)
+            if report_only:
+                summary = finished_prior(cfg)
+                if summary is None:
+                    say(f"{name}: prior not finished; left out")
+                    left_out.append(name)
+                    continue
+            else:
+                say(f"{name}: prior")
+                summary = train_prior(cfg, quiet=True)
             ev_path = prior_dir / "eval.json"
             evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
             if evaluation is None or evaluation.get("step") != summary["step"] or \
@@ -224,10 +239,26 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
         raise PriorStudyError("no prior finished (no tokenizer finished?)")
     groups = aggregate(runs)
     info = {"command": command, "wall_seconds": round(time.time() - started, 1), "quick": quick,
-            "prior_seeds": seeds, "prior_overrides": prior_overrides, "tokenize": tok, "evaluate": ev}
+            "report_only": report_only, "left_out": left_out, "prior_seeds": seeds,
+            "prior_overrides": prior_overrides, "tokenize": tok, "evaluate": ev}
     write_tables(out_dir, spec, groups, runs, info)
     write_plot(out_dir / "recon_vs_generation.png", groups)
     return {"groups": groups, "runs": runs, "out": str(out_dir), **info}
+
+
+def finished_prior(cfg) -> Optional[Dict]:
+    """The summary of the prior in ``cfg.run.dir`` if it has trained ``cfg.train.steps`` steps with
+    ``cfg``'s settings (paths, logging and device aside), else None."""
+    from .config import RESUMABLE, differences, load_prior_config
+
+    prior_dir = Path(cfg.run.dir)
+    summary_path, config_path = prior_dir / "summary.json", prior_dir / "config.yaml"
+    if not (summary_path.is_file() and config_path.is_file()):
+        return None
+    summary = json.loads(summary_path.read_text())
+    changed = [key for key, _, _ in differences(load_prior_config(config_path), cfg)
+               if key not in RESUMABLE or key == "train.steps"]
+    return summary if summary.get("step", 0) >= cfg.train.steps and not changed else None
 
 
 def _fmt(value, spec: str) -> str:
@@ -297,7 +328,10 @@ def write_tables(out: Path, spec: PriorStudyFile, groups, runs, info) -> None:
              f"{_fmt(r['fd_samples'], '.3f')} | {_fmt(r['class_accuracy'], '.1%')} |" for r in runs]
     text += ["", f"Prior: {' '.join(info['prior_overrides']) or 'the built-in defaults'}; seeds {info['prior_seeds']}. "
              f"Evaluation: {info['evaluate']}. Tokens: {info['tokenize']}.",
-             f"Command: `{info['command']}`" if info["command"] else "", "", "```", DEFINITIONS, "```", ""]
+             f"Command: `{info['command']}`" if info["command"] else ""]
+    if info.get("left_out"):
+        text += [f"Not finished, left out of the table: {', '.join(info['left_out'])}."]
+    text += ["", "```", DEFINITIONS, "```", ""]
     (out / "table.md").write_text("\n".join(text))
     flat = [{k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in g.items()} for g in groups]
     write_csv(out / "table.csv", flat)
@@ -350,6 +384,8 @@ class StudyOptions:
     prior_seeds: Optional[List[int]] = option(None, "prior seeds, replacing the study's prior.seeds", sep=",",
                                               metavar="SEED,...")
     threads: int = option(0, "torch intra-op threads (0 = torch's default)")
+    report_only: bool = option(False, "train nothing: one table of every finished tokenizer and prior (with "
+                               "--arms and --prior-seeds: of those); unfinished ones are named and left out")
 
 
 OPTIONS = Options(StudyOptions, prog="ddcl-vq prior study", description=__doc__,
@@ -363,7 +399,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch
         torch.set_num_threads(opts.threads)
     command = shlex.join(["ddcl-vq", "prior", "study"] + list(sys.argv[2:] if argv is None else argv))
-    result = run_prior_study(opts.config, opts.quick, opts.out, opts.arms, opts.prior_seeds, command=command)
+    result = run_prior_study(opts.config, opts.quick, opts.out, opts.arms, opts.prior_seeds, command=command,
+                             report_only=opts.report_only)
     print(markdown(result["groups"]))
+    if result["left_out"]:
+        print(f"\nnot finished, left out: {', '.join(result['left_out'])}")
     print(f"\nreport: {Path(result['out']) / 'table.md'}, plot: {Path(result['out']) / 'recon_vs_generation.png'}")
     return 0
