@@ -311,6 +311,10 @@ def test_study_end_to_end_then_report_only_trains_nothing(tmp_path, monkeypatch)
     first = run_prior_study(study, quick=True, out=out, arms=["ddcl_k256*"], prior_seeds=[0], progress=False)
     (run,) = first["runs"]
     assert run["name"] == "ddcl_k256_s0_p0" and run["prior_steps"] == 3 and first["left_out"] == []
+    summary = (out / "priors" / "ddcl_k256_s0_p0" / "summary.json").read_bytes()
+    again = run_prior_study(study, quick=True, out=out, arms=["ddcl_k256*"], prior_seeds=[0], progress=False)
+    assert again["runs"] == first["runs"]  # the finished prior is read, not reopened
+    assert (out / "priors" / "ddcl_k256_s0_p0" / "summary.json").read_bytes() == summary
     assert 0 < run["bits_per_token"] < 2 * run["log2_k"] and run["fd_samples"] > 0
     report = run_prior_study(study, quick=True, out=out, prior_seeds=[0, 1], progress=False, report_only=True)
     assert [r["name"] for r in report["runs"]] == ["ddcl_k256_s0_p0"]

@@ -214,13 +214,12 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
                 f"data.tokenizer={run_dir}", f"data.train_tokens={files['train']}",
                 f"data.test_tokens=[{json.dumps(str(files['test']))}]", f"run.dir={prior_dir}", f"run.name={name}",
                 f"run.seed={seed}"])
-            if report_only:
-                summary = finished_prior(cfg)
-                if summary is None:
-                    say(f"{name}: prior not finished; left out")
-                    left_out.append(name)
-                    continue
-            else:
+            summary = finished_prior(cfg)  # a finished prior is read, not reopened (its summary keeps its time)
+            if summary is None and report_only:
+                say(f"{name}: prior not finished; left out")
+                left_out.append(name)
+                continue
+            if summary is None:
                 say(f"{name}: prior")
                 summary = train_prior(cfg, quiet=True)
             ev_path = prior_dir / "eval.json"
