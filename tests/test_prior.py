@@ -91,6 +91,35 @@ def test_changing_a_later_code_leaves_earlier_logits_unchanged(j):
         assert not torch.allclose(a[:, j + 1:], b[:, j + 1:])
 
 
+def test_relabelling_the_codes_relabels_the_prior_and_changes_nothing_else():
+    """Why ordering the codes cannot make them cheaper for this prior (docs/prior.md): a code enters
+    only through its row of ``code_emb`` and of ``head``, rows drawn alike at init and updated
+    entry by entry by AdamW, so relabelling the codes by a permutation relabels the rows of the
+    whole training run: the same loss and the same gradients, row for row."""
+    model = _tiny().double().eval()
+    perm = torch.randperm(11, generator=torch.Generator().manual_seed(3))
+    twin = _tiny().double().eval()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        twin.code_emb.weight[perm] = model.code_emb.weight
+        twin.head.weight[perm] = model.head.weight
+    codes = torch.randint(0, 11, (4, 3, 4), generator=torch.Generator().manual_seed(4))
+    labels = torch.tensor([0, 1, 2, 1])
+    loss, twin_loss = model.loss(codes, labels), twin.loss(perm[codes], labels)
+    assert twin_loss.item() == pytest.approx(loss.item(), rel=1e-12)
+    loss.backward()
+    twin_loss.backward()
+    for name in ("code_emb", "head"):
+        grad, twin_grad = getattr(model, name).weight.grad, getattr(twin, name).weight.grad
+        assert torch.allclose(twin_grad[perm], grad, rtol=1e-10, atol=1e-14)
+    assert torch.allclose(twin.blocks[0].attn.qkv.weight.grad, model.blocks[0].attn.qkv.weight.grad,
+                          rtol=1e-10, atol=1e-14)
+    # a non-permutation relabelling (two codes merged) is another problem
+    merged = codes.clone()
+    merged[merged == 1] = 0
+    assert model.loss(merged, labels).item() != pytest.approx(loss.item(), rel=1e-6)
+
+
 def test_sampling_is_reproducible_and_in_range():
     model = _tiny(k=7)
     labels = torch.tensor([0, 1, 2, 0, 1])
