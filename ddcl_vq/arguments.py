@@ -46,6 +46,7 @@ ARGUMENT_RULES: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
     ("beta", lambda v: _number(v) and v >= 0, "beta >= 0"),
     ("decay", lambda v: _number(v) and 0 <= v < 1, "0 <= decay < 1"),
     ("revive_threshold", lambda v: _number(v) and 0 <= v < 1, "0 <= revive_threshold < 1"),
+    ("revive_twins", lambda v: isinstance(v, bool), "revive_twins, a bool"),
     ("chunk_size", lambda v: v is None or (_int(v) and v > 0), "chunk_size to be a positive int or None"),
     ("chunk_threshold_bytes", lambda v: _number(v) and v >= 0, "chunk_threshold_bytes >= 0"),
     ("restart_step", lambda v: _int(v) and v >= 0, "restart_step, an int >= 0 (0 = never)"),

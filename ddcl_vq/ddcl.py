@@ -104,6 +104,11 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             stops winning vectors is re-seeded even while its soft mass, fed by the softmax tails of
             its neighbours' vectors, stays above the threshold; ``"mass"``: the EMA of its soft mass
             Σ_i q_ik (the previous default; the two are compared in docs/results.md).
+        revive_twins: also re-seed (when revival is on) the later code of any pair closer than the
+            softmax divisor s (squared distance): the soft M-step cannot pull such a pair apart, so
+            they are one code in two places and noise decides the hard index between them
+            (``revived_twins`` counts them, since construction or loading; docs/prior.md). Costs
+            O(K²·D) per training step. Off by default while it is measured.
         warmup_steps: quantization warm-up: during the first ``warmup_steps`` training forwards
             the decoder sees z + α·(out − z), α rising linearly from 0 to 1, where out is what the
             mode passes on (the hard code in ``straight_through`` mode); the gradient is out's
@@ -165,7 +170,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
                  mode: str = "straight_through", beta: float = 0.25,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
-                 revive_criterion: str = "usage", restart_step: int = 0,
+                 revive_criterion: str = "usage", revive_twins: bool = False, restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,
                  codebook_init: str = "kmeans", channel_dim: int = 1,
                  implementation: str = "auto", chunk_size: Optional[int] = None,
@@ -175,7 +180,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             mode=mode, codebook_update=codebook_update, codebook_init=codebook_init,
             temperature_reference=temperature_reference, temperature_schedule=temperature_schedule,
             encoder_gradient=encoder_gradient, revive_criterion=revive_criterion, implementation=implementation,
-            beta=beta, decay=decay, revive_threshold=revive_threshold, chunk_size=chunk_size,
+            beta=beta, decay=decay, revive_threshold=revive_threshold, revive_twins=revive_twins, chunk_size=chunk_size,
             chunk_threshold_bytes=chunk_threshold_bytes, restart_step=restart_step, warmup_steps=warmup_steps))
         self.implementation = implementation
         self.chunk_size = chunk_size
@@ -188,6 +193,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         self.decay = float(decay)
         self.revive_threshold = float(revive_threshold)
         self.revive_criterion = revive_criterion
+        self.revive_twins = revive_twins
         self.restart_step = restart_step
         self.warmup_steps = warmup_steps
         self.encoder_gradient = encoder_gradient
@@ -207,6 +213,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         self.register_buffer("cluster_sums", self.weight.detach().clone())
         self.register_buffer("distance_scale", torch.zeros(()))  # 0: not measured yet
         self.register_buffer("revived", torch.zeros((), dtype=torch.long))
+        # of them, twins (revive_twins); for the logs only: not saved, counted from 0 after a resume
+        self.register_buffer("revived_twins", torch.zeros((), dtype=torch.long), persistent=False)
         # training forwards of the warm-up so far (stops at warmup_steps); counted here, not by
         # step(), so a host's training loop that never calls step() still leaves the warm-up
         self.register_buffer("warmup_batches", torch.zeros((), dtype=torch.long))
@@ -215,10 +223,12 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
     def log_stats(self) -> Dict[str, float]:
         """``temperature``: the τ of the last forward in training mode (the current τ before any);
         ``softmax_scale``: the divisor it was used with; ``revived``: codes re-seeded so far;
-        ``min_code_mass``: the smallest EMA soft mass (in vectors per batch)."""
+        ``min_code_mass``: the smallest EMA soft mass (in vectors per batch); with ``revive_twins``,
+        ``revived_twins``: of the revived, twins (since construction or loading)."""
         tau = self.temperature if self._last_temperature is None else self._last_temperature
         return {"temperature": tau, "softmax_scale": self.softmax_scale(tau), "revived": float(self.revived),
-                "min_code_mass": float(self.cluster_mass.min())}
+                "min_code_mass": float(self.cluster_mass.min()),
+                **({"revived_twins": float(self.revived_twins)} if self.revive_twins else {})}
 
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode, "temperature": self.temperature,
@@ -325,7 +335,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         w = self.weight.detach().to(dtype, copy=True)
         stats = soft_statistics(x.detach(), w, scale, support=self.statistics_support)
         if self.training:
-            self._update_statistics(x.detach(), stats)
+            self._update_statistics(x.detach(), stats, scale)
         if self.mode == "straight_through":
             out, loss, terms = self._straight_through(x, w, stats.indices)
         else:
@@ -350,7 +360,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
                 nearest = (x.detach() - w.detach()[a.indices]).pow(2).sum(1)
                 self._update_statistics(x.detach(), SoftStatistics(
                     indices=a.indices, nearest=nearest, mass=a.soft_counts.detach(), sums=w.detach(),
-                    distortion=a.distortion.detach(), ols=a.ols.detach(), variance=a.variance.detach()))
+                    distortion=a.distortion.detach(), ols=a.ols.detach(), variance=a.variance.detach()), scale)
         terms.update(distortion=a.distortion.detach(), ols=a.ols.detach(), variance=a.variance.detach())
         return out, loss, terms, a.indices, a.soft_counts
 
@@ -392,8 +402,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         return (super().extra_repr() + f", mode={self.mode!r}, {schedule}, "
                 f"temperature_reference={self.temperature_reference!r}, codebook_update={self.codebook_update!r}, "
                 f"decay={self.decay:g}, revive_threshold={self.revive_threshold:g}, "
-                f"revive_criterion={self.revive_criterion!r}, restart_step={self.restart_step}, "
-                f"warmup_steps={self.warmup_steps}, "
+                f"revive_criterion={self.revive_criterion!r}, revive_twins={self.revive_twins}, "
+                f"restart_step={self.restart_step}, warmup_steps={self.warmup_steps}, "
                 f"encoder_gradient={self.encoder_gradient!r}, "
                 f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

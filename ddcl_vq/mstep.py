@@ -13,7 +13,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from .blocks import nearest_codes
+from .blocks import NEAREST_BLOCK_BYTES, nearest_codes
 from .distributed import all_reduce_sum_, broadcast_, world_size
 from .kmeans import kmeans_init_
 from .statistics import SoftStatistics
@@ -23,7 +23,7 @@ __all__ = ["MStepCodebook"]
 
 class MStepCodebook:
     """Mixin for :class:`~ddcl_vq.DDCLQuantizer`: reads its settings (``num_codes``, ``decay``,
-    ``codebook_update``, ``revive_threshold``, ``revive_criterion``) and updates its codebook
+    ``codebook_update``, ``revive_threshold``, ``revive_criterion``, ``revive_twins``) and updates its codebook
     ``weight`` and buffers (``initialized``, ``distance_scale``, ``cluster_mass``, ``cluster_usage``,
     ``cluster_sums``, ``revived``)."""
 
@@ -67,10 +67,11 @@ class MStepCodebook:
         self._restart_statistics(x.shape[0])
 
     @torch.no_grad()
-    def _update_statistics(self, x: Tensor, stats: SoftStatistics) -> None:
+    def _update_statistics(self, x: Tensor, stats: SoftStatistics, scale: float) -> None:
         """One training batch: EMA of the distance scale and of the soft mass (and, for the M-step,
-        of the soft sums, and the new codebook); revival of starved codes. All-reduced: identical
-        on every process."""
+        of the soft sums, and the new codebook); revival of starved codes (and, with
+        ``revive_twins``, of codes within ``scale``, the batch's softmax divisor, of an earlier
+        code). All-reduced: identical on every process."""
         g = self.decay
         k = self.num_codes
         hits = torch.bincount(stats.indices, minlength=k).to(stats.mass.dtype)
@@ -93,18 +94,43 @@ class MStepCodebook:
             self.cluster_sums.mul_(g).add_(sums, alpha=1 - g)
             self.weight.data.copy_(self.cluster_sums / self.cluster_mass.clamp_min(1e-12)[:, None])
         if self.revive_threshold > 0:
-            self._revive(x, stats.nearest, count)
+            self._revive(x, stats.nearest, count, scale)
 
     @torch.no_grad()
-    def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: Tensor) -> None:
-        """Re-seed codes whose EMA hard usage (or soft mass) is below the threshold on batch vectors
-        drawn with probability ∝ their distance to the nearest code (where the distortion is).
-        ``batch_vectors``: the (all-reduced, float64) batch size as a tensor; the one host sync is
-        the number of starved codes."""
+    def _twins(self, scale: float) -> Tensor:
+        """(K,) bool: the codes within ``scale`` (squared distance) of an earlier-indexed code.
+
+        Closer than the softmax's divisor, two codes receive the same soft statistics, and the
+        M-step keeps them together: they are one code in two places, and the hard index between
+        them is decided by noise (docs/prior.md). Computed in row blocks, O(K²·D) work."""
+        w = self.weight.data.float()
+        k = w.shape[0]
+        rows = max(1, min(k, NEAREST_BLOCK_BYTES // (4 * k)))
+        norms = (w * w).sum(1)
+        columns = torch.arange(k, device=w.device)
+        twins = torch.zeros(k, dtype=torch.bool, device=w.device)
+        for start in range(0, k, rows):
+            block = w[start:start + rows]
+            d = torch.mm(block, w.t()).mul_(-2.0).add_(norms[start:start + rows, None]).add_(norms)
+            later = columns[None, :] >= columns[start:start + block.shape[0], None]  # itself and later codes
+            twins[start:start + block.shape[0]] = d.masked_fill_(later, float("inf")).lt(scale).any(1)
+        return twins
+
+    @torch.no_grad()
+    def _revive(self, x: Tensor, nearest: Tensor, batch_vectors: Tensor, scale: float) -> None:
+        """Re-seed codes whose EMA hard usage (or soft mass) is below the threshold (and, with
+        ``revive_twins``, the later code of each pair within ``scale`` of each other) on batch
+        vectors drawn with probability ∝ their distance to the nearest code (where the distortion
+        is). ``batch_vectors``: the (all-reduced, float64) batch size as a tensor; the one host sync
+        is the number of codes to re-seed."""
         # rounded to the buffers' dtype: what comparing with (and writing) a Python float does
         threshold = (self.revive_threshold * batch_vectors / self.num_codes).to(self.cluster_mass.dtype)
         measure = self.cluster_usage if self.revive_criterion == "usage" else self.cluster_mass
         starved = measure < threshold  # identical on every process (all-reduced statistics)
+        if self.revive_twins:
+            twins = self._twins(scale)  # identical on every process (the codebook is)
+            self.revived_twins += twins.sum()
+            starved |= twins
         count = int(starved.sum())
         if count == 0:
             return

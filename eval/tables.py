@@ -60,7 +60,8 @@ def settings_text(cfg) -> str:
         else:
             codebook = f"ρ={t.codebook_lr_ratio:g}"
         extra = ([f"{q.codebook_init} init"] if q.codebook_init != "uniform" else []) \
-            + ([f"revival {q.revive_threshold:g}" + (" (mass)" if q.revive_criterion == "mass" else "")]
+            + ([f"revival {q.revive_threshold:g}" + (" (mass)" if q.revive_criterion == "mass" else "")
+                + (" + twins" if getattr(q, "revive_twins", False) else "")]
                if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
             + (["rotation trick"] if q.encoder_gradient == "rotation" else [])

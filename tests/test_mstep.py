@@ -100,6 +100,41 @@ def test_usage_criterion_revives_a_code_that_wins_nothing_but_keeps_soft_mass():
     assert revived["usage"] >= 1 and revived["mass"] == 0
 
 
+def test_twins_are_the_later_code_of_each_pair_closer_than_the_softmax_divisor():
+    quant = DDCLQuantizer(6, 2, channel_dim=-1, codebook_init="uniform").double()
+    with torch.no_grad():
+        quant.weight.copy_(torch.tensor([[0.0, 0.0], [5.0, 0.0], [0.0, 0.09], [5.0, 0.11], [9.0, 9.0],
+                                         [0.05, 0.0]], dtype=torch.float64))
+    # squared distances: 2-0 0.0081, 5-0 0.0025, 5-2 0.0106, 3-1 0.0121; s = 0.0110
+    assert quant._twins(0.0110).tolist() == [False, False, True, False, False, True]
+    assert quant._twins(0.0122).tolist() == [False, False, True, True, False, True]
+    assert not quant._twins(0.002).any()
+
+
+def _tight_cluster_and_spread(seed=0):
+    """Half the vectors in a cluster far tighter than the softmax divisor, half spread out: k-means
+    puts several codes in the cluster, and the soft M-step keeps them there together."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([5 + 1e-4 * torch.randn(256, 2, generator=g, dtype=torch.float64),
+                      torch.randn(256, 2, generator=g, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("revive_twins", [False, True])
+def test_revive_twins_moves_the_codes_the_soft_mstep_holds_together(revive_twins):
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(16, 2, channel_dim=-1, warmup_steps=0, revive_twins=revive_twins).double().train()
+    for step in range(20):
+        quant(_tight_cluster_and_spread(step))
+    in_cluster = int(((quant.codebook - 5).norm(dim=1) < 0.01).sum())
+    twins = int(quant._twins(quant.softmax_scale()).sum())
+    if revive_twins:
+        assert in_cluster == 1 and twins == 0
+        assert quant.log_stats()["revived_twins"] >= 2
+    else:   # the defect the option removes: several codes on one point, each winning part of it
+        assert in_cluster >= 2 and twins >= 1
+        assert "revived_twins" not in quant.log_stats()
+
+
 def test_no_revival_when_switched_off():
     torch.manual_seed(0)
     quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.0).double()
@@ -211,6 +246,7 @@ def test_checkpoint_from_before_the_mstep_loads_into_the_legacy_settings():
     ({"encoder_gradient": "gumbel"}, "encoder_gradient"),
     ({"decay": 1.0}, "decay"),
     ({"revive_threshold": -0.1}, "revive_threshold"),
+    ({"revive_twins": 1}, "revive_twins, a bool"),
 ])
 def test_bad_mechanism_options_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
