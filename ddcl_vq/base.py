@@ -167,6 +167,9 @@ class Quantizer(nn.Module):
     # ------------------------------------------------------------------ what callers may ask
     #: True when :meth:`soft_codes` returns soft codes (DDCL); callers check it before asking.
     has_soft_codes: bool = False
+    #: True when the hard index is the row of ``codebook`` nearest to the input (a re-fitted
+    #: codebook can then be decoded the same way); False where a projection is rounded (FSQ, LFQ).
+    assigns_nearest_code: bool = True
 
     def soft_codes(self, z: Tensor) -> Optional[Tensor]:
         """Soft codes for ``z`` in the input layout, or None for a quantizer without them."""

@@ -57,6 +57,8 @@ class FSQQuantizer(Quantizer):
     Computes in float32 whatever the input's dtype (autocast off), returns the input's dtype.
     """
 
+    assigns_nearest_code = False  # the index rounds a projection of the input
+
     def __init__(self, num_codes: int, dim: int, *, levels: Optional[Sequence[int]] = None, channel_dim: int = 1,
                  **fsq_kwargs: Any):
         if not isinstance(num_codes, int) or isinstance(num_codes, bool) or num_codes <= 0:

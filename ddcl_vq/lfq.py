@@ -27,6 +27,8 @@ class LFQQuantizer(Quantizer):
     gradients. Computes in float32 whatever the input's dtype (autocast off), returns the input's dtype.
     """
 
+    assigns_nearest_code = False  # the index rounds a projection of the input
+
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **lfq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
         if num_codes < 2 or num_codes & (num_codes - 1):

@@ -11,10 +11,21 @@ For each run, on the first ``--images`` images of the split:
 - ``psnr_lloyd``: hard PSNR after ``--lloyd`` hard k-means (Lloyd) steps of the codebook on
   ``--fit-images`` training images' features (each step: assign to the nearest code, move each
   code with vectors to their mean). If these add nothing, the codebook already sits where hard
-  k-means would put it and the remaining error is the autoencoder's or the codebook size's.
+  k-means would put it and the remaining error is the autoencoder's or the codebook size's. Not
+  for FSQ or LFQ, whose index rounds a projection rather than naming the nearest code.
 
-Shapes: features are (B, D, h, w); the codebook is (K, D). Every quantizer decodes its nearest
-code at evaluation, so the re-fitted codebook is decoded the same way.
+And how stable the tokens are (what a prior over them pays for, docs/prior.md):
+
+- ``token_flips``: the fraction of hard tokens that change when Gaussian pixel noise of sd
+  ``--noise`` (default 0.005, about 1.3/255; fixed seed) is added to the images (clamped to [0, 1]);
+- ``duplicate_codes``: codes whose nearest other code is closer (squared distance) than 1% of the
+  median squared nearest-other-code distance — one code in two places; ``duplicate_token_share``:
+  the share of the measured tokens that are such codes, ``duplicate_token_flips``: how often those
+  tokens flip under the noise.
+
+Shapes: features are (B, D, h, w); the codebook is (K, D). The hard codes are the quantizer's own
+(its forward in eval mode); for a quantizer that assigns the nearest code, the re-fitted codebook
+is decoded the same way.
 """
 from __future__ import annotations
 
@@ -81,6 +92,17 @@ def _psnr(model, images: Tensor, features: Tensor, batch_size: int) -> float:
     return total / len(images)
 
 
+def _hard_codes(quantizer, features: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
+    """(B, D, h, w) features -> (the codes the quantizer decodes (B, D, h, w), their indices (B·h·w,)),
+    by the quantizer itself in eval mode (FSQ and LFQ round a projection: not the nearest row)."""
+    codes, indices = [], []
+    for i in range(0, len(features), batch_size):
+        out = quantizer(features[i:i + batch_size])
+        codes.append(out.quantized.float())
+        indices.append(out.indices.flatten())
+    return torch.cat(codes), torch.cat(indices)
+
+
 def _quantize(features: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
     b, _, h, w = features.shape
     flat = rearrange(features, "b d h w -> (b h w) d")
@@ -88,9 +110,28 @@ def _quantize(features: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
     return rearrange(codebook[idx], "(b h w) d -> b d h w", b=b, h=h, w=w), dist
 
 
+#: a code is a near-duplicate when its squared distance to the nearest other code is below this
+#: fraction of the median squared nearest-other-code distance
+DUPLICATE_FRACTION = 0.01
+
+
+def duplicate_codes(codebook: Tensor, rows: int = 1024) -> Tensor:
+    """(K, D) -> (K,) bool: codes whose nearest other code is nearer than DUPLICATE_FRACTION of the
+    median nearest-other-code distance (squared). Row blocks: O(rows·K) memory."""
+    k = codebook.shape[0]
+    if k < 2:
+        return torch.zeros(k, dtype=torch.bool)
+    nearest = torch.empty(k, dtype=codebook.dtype)
+    for start in range(0, k, rows):
+        d = squared_distances(codebook[start:start + rows], codebook)
+        d[torch.arange(d.shape[0]), torch.arange(start, start + d.shape[0])] = float("inf")
+        nearest[start:start + d.shape[0]] = d.min(1).values
+    return nearest < DUPLICATE_FRACTION * nearest.median()
+
+
 @torch.no_grad()
 def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 4000, lloyd: int = 3,
-                     split: str = "test", batch_size: int = 250) -> Dict:
+                     split: str = "test", batch_size: int = 250, noise: float = 0.005) -> Dict:
     """The figures described in the module docstring, for one run directory."""
     from ddcl_vq.train.data import build_dataset
     cfg, model, step, _ = load_run(run_dir)
@@ -98,9 +139,11 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
         raise EvaluateError("gap expects a VQ-VAE whose quantizer takes (B, D, h, w) features")
     x = _images(build_dataset(cfg.data, split, seed=cfg.run.seed), images)
     z = _features(model, x, batch_size)
-    codebook = model.quantizer.codebook.detach().float()
-    hard, dist = _quantize(z, codebook)
+    quantizer = model.quantizer
+    codebook = quantizer.codebook.detach().float()
+    hard, tokens = _hard_codes(quantizer, z, batch_size)
     flat = rearrange(z, "b d h w -> (b h w) d")
+    dist = (flat - rearrange(hard, "b d h w -> (b h w) d")).pow(2).sum(1)
     variance = float((flat - flat.mean(0)).pow(2).sum(1).mean())
     out = {"run": str(run_dir), "step": step, "split": split, "num_images": len(x),
            "num_codes": int(codebook.shape[0]),
@@ -108,7 +151,14 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
            "psnr_unquantized": _psnr(model, x, z, batch_size),
            "relative_distortion": float(dist.mean()) / max(variance, 1e-12)}
     out["gap_db"] = out["psnr_unquantized"] - out["psnr_hard"]
-    if lloyd > 0:
+    noisy = x + noise * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    flipped = _hard_codes(quantizer, _features(model, noisy.clamp(0, 1), batch_size), batch_size)[1] != tokens
+    duplicate = duplicate_codes(codebook)
+    duplicates = duplicate[tokens]
+    out.update(noise=noise, token_flips=float(flipped.double().mean()), duplicate_codes=int(duplicate.sum()),
+               duplicate_token_share=float(duplicates.double().mean()),
+               duplicate_token_flips=float(flipped[duplicates].double().mean()) if bool(duplicates.any()) else None)
+    if lloyd > 0 and quantizer.assigns_nearest_code:
         fit = _features(model, _images(build_dataset(cfg.data, "train", seed=cfg.run.seed), fit_images), batch_size)
         fit_flat = rearrange(fit, "b d h w -> (b h w) d")
         refit = codebook
@@ -121,11 +171,15 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
 
 def markdown(rows: Sequence[Dict]) -> str:
     lines = ["| run | K | PSNR hard (dB) | after Lloyd steps | decoder(z), unquantized | quantization gap (dB) "
-             "| nearest-code distance / variance |", "|---|---|---|---|---|---|---|"]
+             "| nearest-code distance / variance | tokens flipped by noise | near-duplicate codes "
+             "| their share of tokens (flipped) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lloyd = f"{r['psnr_lloyd']:.2f} ({r['lloyd_steps']})" if "psnr_lloyd" in r else "—"
+        dup_flips = "—" if r["duplicate_token_flips"] is None else f"{100 * r['duplicate_token_flips']:.1f}%"
         lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
-                     f"{r['psnr_unquantized']:.2f} | {r['gap_db']:.2f} | {100 * r['relative_distortion']:.2f}% |")
+                     f"{r['psnr_unquantized']:.2f} | {r['gap_db']:.2f} | {100 * r['relative_distortion']:.2f}% | "
+                     f"{100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | {r['duplicate_codes']} | "
+                     f"{100 * r['duplicate_token_share']:.1f}% ({dup_flips}) |")
     return "\n".join(lines)
 
 
@@ -135,8 +189,10 @@ of the split: hard-code PSNR; the decoder fed the encoder's features without qua
 the encoder/decoder pair reaches with an infinitely fine codebook); their gap (the part of the
 error due to quantization); the mean squared nearest-code distance over the features' variance;
 and hard PSNR after --lloyd hard k-means steps of the codebook on --fit-images training images'
-features (if these add nothing, the codebook sits where hard k-means would put it). Prints a
-markdown table, one row per run.
+features (if these add nothing, the codebook sits where hard k-means would put it); how many
+tokens change under pixel noise of sd --noise, and the near-duplicate codes (nearest other code
+within 1% of the median spacing, squared) with their share of the tokens. Prints a markdown
+table, one row per run.
 
   ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
   ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json
@@ -151,18 +207,20 @@ class GapOptions:
     fit_images: int = option(4000, "training images whose features the Lloyd steps fit")
     lloyd: int = option(3, "hard k-means steps of the codebook (0: skip)")
     split: str = option("test", "the split to measure")
+    noise: float = option(0.005, "sd of the Gaussian pixel noise (images in [0, 1]) for the token flip rate")
     json: Optional[str] = option(None, "also write the rows as JSON", metavar="FILE")
 
 
 OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=HELP,
-                  rules=Rules(choices={"split": SPLITS}, positive={"images", "fit_images"},
+                  rules=Rules(choices={"split": SPLITS}, positive={"images", "fit_images", "noise"},
                               non_negative={"lloyd"}))
 
 
 @entry_point("ddcl-vq gap")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
-    rows = [quantization_gap(r, opts.images, opts.fit_images, opts.lloyd, opts.split) for r in opts.runs]
+    rows = [quantization_gap(r, opts.images, opts.fit_images, opts.lloyd, opts.split, noise=opts.noise)
+            for r in opts.runs]
     print(markdown(rows))
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=2) + "\n")

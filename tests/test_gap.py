@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddcl_vq.eval.evaluate import load_run
-from ddcl_vq.eval.gap import lloyd_step, main, nearest_codes, quantization_gap
+from ddcl_vq.eval.gap import duplicate_codes, lloyd_step, main, nearest_codes, quantization_gap
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import build_dataset
 from ddcl_vq.train.loop import train
@@ -22,6 +22,9 @@ def runs(tmp_path_factory):
     for qtype in ("ddcl", "hard"):
         train(load_config(f"configs/fashion_{qtype}.yaml", TINY + [f"run.dir={base / qtype}"]), quiet=True)
         out[qtype] = base / qtype
+    train(load_config("configs/fashion_ddcl.yaml", TINY + ["quantizer.type=fsq", "quantizer.num_codes=256",
+                                                             f"run.dir={base / 'fsq'}"]), quiet=True)
+    out["fsq"] = base / "fsq"
     return out
 
 
@@ -39,15 +42,36 @@ def test_lloyd_step_never_raises_the_distortion_it_fits():
     assert torch.allclose(refit[used], vectors[idx == used].mean(0), atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["ddcl", "hard"])
+def test_duplicate_codes_are_codes_with_a_neighbour_within_a_hundredth_of_the_median_spacing():
+    codebook = torch.tensor([[float(i), 0.0] for i in range(10)])   # spacing 1 (squared 1)
+    assert not duplicate_codes(codebook).any()
+    codebook = torch.cat([codebook, codebook[[3]] + torch.tensor([0.0, 0.09]),    # squared 0.0081: duplicate
+                          codebook[[7]] + torch.tensor([0.0, 0.11])])             # squared 0.0121: not
+    assert duplicate_codes(codebook, rows=4).nonzero().flatten().tolist() == [3, 10]
+
+
+def test_token_flips_grow_with_the_noise_and_duplicates_are_counted(runs):
+    small = quantization_gap(runs["ddcl"], images=200, lloyd=0, noise=0.001)
+    large = quantization_gap(runs["ddcl"], images=200, lloyd=0, noise=0.1)
+    assert 0 <= small["token_flips"] < large["token_flips"] <= 1 and large["noise"] == 0.1
+    cfg, model, _, _ = load_run(runs["ddcl"])
+    assert small["duplicate_codes"] == int(duplicate_codes(model.quantizer.codebook.detach()).sum())
+    assert 0 <= small["duplicate_token_share"] <= 1
+
+
+@pytest.mark.parametrize("qtype", ["ddcl", "hard", "fsq"])
 def test_gap_figures_agree_with_the_evaluation_pass(runs, qtype):
     row = quantization_gap(runs[qtype], images=300, fit_images=300, lloyd=2)
     cfg, model, _, _ = load_run(runs[qtype])
     ref = reconstruction_pass(model, build_dataset(cfg.data, "test", seed=cfg.run.seed), max_images=300)
-    assert row["num_images"] == 300 and row["num_codes"] == 32
+    assert row["num_images"] == 300 and row["num_codes"] == model.quantizer.num_codes
     assert row["psnr_hard"] == pytest.approx(ref["hard"]["psnr"], abs=1e-3)  # the quantizer's own hard codes
     assert row["gap_db"] == pytest.approx(row["psnr_unquantized"] - row["psnr_hard"])
-    assert 0 < row["relative_distortion"] < float("inf") and row["lloyd_steps"] == 2 and "psnr_lloyd" in row
+    assert 0 < row["relative_distortion"] < float("inf")
+    if qtype == "fsq":   # its index rounds a projection: no nearest-code refit
+        assert not model.quantizer.assigns_nearest_code and "psnr_lloyd" not in row
+    else:
+        assert row["lloyd_steps"] == 2 and "psnr_lloyd" in row
 
 
 def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
@@ -55,6 +79,7 @@ def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
     assert main([str(runs["ddcl"]), str(runs["hard"]), "--images", "100", "--lloyd", "0", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "quantization gap" in text and "\n| ddcl | 32 |" in text and "\n| hard | 32 |" in text
+    assert "tokens flipped by noise" in text and "(sd 0.005)" in text
     rows = json.loads(out.read_text())
     assert [r["num_images"] for r in rows] == [100, 100] and all("psnr_lloyd" not in r for r in rows)
 
@@ -65,3 +90,5 @@ def test_gap_cli_errors_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ddcl-vq gap: error: ") and "does not exist" in err[0]
     assert main([str(tmp_path), "--images", "0"]) == 2
     assert "option --images: expected a value > 0" in capsys.readouterr().err
+    assert main([str(tmp_path), "--noise", "0"]) == 2
+    assert "option --noise: expected a value > 0" in capsys.readouterr().err
