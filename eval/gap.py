@@ -12,7 +12,8 @@ For each run, on the first ``--images`` images of the split:
   ``--fit-images`` training images' features (each step: assign to the nearest code, move each
   code with vectors to their mean). If these add nothing, the codebook already sits where hard
   k-means would put it and the remaining error is the autoencoder's or the codebook size's. Not
-  for FSQ or LFQ, whose index rounds a projection rather than naming the nearest code.
+  for FSQ or LFQ, whose index rounds a projection rather than naming the nearest code (nor the
+  unquantized PSNR, gap and distortion: their decoder never sees the encoder's features as they are).
 
 And how stable the tokens are (what a prior over them pays for, docs/prior.md):
 
@@ -148,9 +149,11 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     out = {"run": str(run_dir), "step": step, "split": split, "num_images": len(x),
            "num_codes": int(codebook.shape[0]),
            "psnr_hard": _psnr(model, x, hard, batch_size),
-           "psnr_unquantized": _psnr(model, x, z, batch_size),
-           "relative_distortion": float(dist.mean()) / max(variance, 1e-12)}
-    out["gap_db"] = out["psnr_unquantized"] - out["psnr_hard"]
+           "psnr_unquantized": None, "relative_distortion": None, "gap_db": None}
+    if quantizer.assigns_nearest_code:  # FSQ/LFQ: the decoder never sees z, only a projection of it
+        out.update(psnr_unquantized=_psnr(model, x, z, batch_size),
+                   relative_distortion=float(dist.mean()) / max(variance, 1e-12))
+        out["gap_db"] = out["psnr_unquantized"] - out["psnr_hard"]
     noisy = x + noise * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     flipped = _hard_codes(quantizer, _features(model, noisy.clamp(0, 1), batch_size), batch_size)[1] != tokens
     duplicate = duplicate_codes(codebook)
@@ -169,6 +172,10 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     return out
 
 
+def _num(value: Optional[float], spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
 def markdown(rows: Sequence[Dict]) -> str:
     lines = ["| run | K | PSNR hard (dB) | after Lloyd steps | decoder(z), unquantized | quantization gap (dB) "
              "| nearest-code distance / variance | tokens flipped by noise | near-duplicate codes "
@@ -177,7 +184,8 @@ def markdown(rows: Sequence[Dict]) -> str:
         lloyd = f"{r['psnr_lloyd']:.2f} ({r['lloyd_steps']})" if "psnr_lloyd" in r else "—"
         dup_flips = "—" if r["duplicate_token_flips"] is None else f"{100 * r['duplicate_token_flips']:.1f}%"
         lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
-                     f"{r['psnr_unquantized']:.2f} | {r['gap_db']:.2f} | {100 * r['relative_distortion']:.2f}% | "
+                     f"{_num(r['psnr_unquantized'], '.2f')} | {_num(r['gap_db'], '.2f')} | "
+                     f"{_num(r['relative_distortion'], '.2%')} | "
                      f"{100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | {r['duplicate_codes']} | "
                      f"{100 * r['duplicate_token_share']:.1f}% ({dup_flips}) |")
     return "\n".join(lines)
