@@ -107,8 +107,9 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         revive_twins: also re-seed (when revival is on) the later code of any pair closer than the
             softmax divisor s (squared distance): the soft M-step cannot pull such a pair apart, so
             they are one code in two places and noise decides the hard index between them
-            (``revived_twins`` counts them, since construction or loading; docs/prior.md). Costs
-            O(K²·D) per training step. Off by default while it is measured.
+            (``revived_twins`` counts them, since construction or loading; docs/prior.md). Each
+            training batch checks the next 512 codes against all K (``TWIN_ROWS``·K·D work; the whole
+            codebook every ⌈K/512⌉ batches). Off by default while it is measured.
         warmup_steps: quantization warm-up: during the first ``warmup_steps`` training forwards
             the decoder sees z + α·(out − z), α rising linearly from 0 to 1, where out is what the
             mode passes on (the hard code in ``straight_through`` mode); the gradient is out's
@@ -215,6 +216,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         self.register_buffer("revived", torch.zeros((), dtype=torch.long))
         # of them, twins (revive_twins); for the logs only: not saved, counted from 0 after a resume
         self.register_buffer("revived_twins", torch.zeros((), dtype=torch.long), persistent=False)
+        if revive_twins:  # which block of codes the next batch checks for twins (saved: a resume goes on)
+            self.register_buffer("twin_position", torch.zeros((), dtype=torch.long))
         # training forwards of the warm-up so far (stops at warmup_steps); counted here, not by
         # step(), so a host's training loop that never calls step() still leaves the warm-up
         self.register_buffer("warmup_batches", torch.zeros((), dtype=torch.long))
@@ -267,6 +270,9 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             self.warmup_batches.fill_(self.warmup_steps)
         self._warmup_over = self.warmup_steps == 0  # re-read the loaded position at the next forward
         self._load_without_schedule_step(prefix, missing_keys)
+        if prefix + "twin_position" in missing_keys:  # saved without revive_twins: start at the first block
+            missing_keys.remove(prefix + "twin_position")
+            self.twin_position.zero_()
 
     # ------------------------------------------------------------------ assignment
     @property

@@ -8,7 +8,7 @@ identical on every process.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +18,10 @@ from .distributed import all_reduce_sum_, broadcast_, world_size
 from .kmeans import kmeans_init_
 from .statistics import SoftStatistics
 
-__all__ = ["MStepCodebook"]
+__all__ = ["MStepCodebook", "TWIN_ROWS"]
+
+#: codes checked for a twin per training batch (``revive_twins``)
+TWIN_ROWS = 512
 
 
 class MStepCodebook:
@@ -97,21 +100,23 @@ class MStepCodebook:
             self._revive(x, stats.nearest, count, scale)
 
     @torch.no_grad()
-    def _twins(self, scale: float) -> Tensor:
-        """(K,) bool: the codes within ``scale`` (squared distance) of an earlier-indexed code.
+    def _twins(self, scale: float, begin: int = 0, end: Optional[int] = None) -> Tensor:
+        """(K,) bool: the codes of rows [begin, end) (default: all) within ``scale`` (squared
+        distance) of an earlier-indexed code.
 
         Closer than the softmax's divisor, two codes receive the same soft statistics, and the
         M-step keeps them together: they are one code in two places, and the hard index between
-        them is decided by noise (docs/prior.md). Computed in row blocks, O(K²·D) work."""
+        them is decided by noise (docs/prior.md). Computed in row blocks, O((end − begin)·K·D) work."""
         w = self.weight.data.float()
         k = w.shape[0]
+        end = k if end is None else min(end, k)
         rows = max(1, min(k, NEAREST_BLOCK_BYTES // (4 * k)))
         norms = (w * w).sum(1)
         columns = torch.arange(k, device=w.device)
         twins = torch.zeros(k, dtype=torch.bool, device=w.device)
-        for start in range(0, k, rows):
-            block = w[start:start + rows]
-            d = torch.mm(block, w.t()).mul_(-2.0).add_(norms[start:start + rows, None]).add_(norms)
+        for start in range(begin, end, rows):
+            block = w[start:min(start + rows, end)]
+            d = torch.mm(block, w.t()).mul_(-2.0).add_(norms[start:start + block.shape[0], None]).add_(norms)
             later = columns[None, :] >= columns[start:start + block.shape[0], None]  # itself and later codes
             twins[start:start + block.shape[0]] = d.masked_fill_(later, float("inf")).lt(scale).any(1)
         return twins
@@ -128,7 +133,12 @@ class MStepCodebook:
         measure = self.cluster_usage if self.revive_criterion == "usage" else self.cluster_mass
         starved = measure < threshold  # identical on every process (all-reduced statistics)
         if self.revive_twins:
-            twins = self._twins(scale)  # identical on every process (the codebook is)
+            # one block of TWIN_ROWS rows per training batch, in turn: the whole codebook every
+            # ceil(K / TWIN_ROWS) batches, at most TWIN_ROWS·K·D work per batch
+            blocks = -(-self.num_codes // TWIN_ROWS)
+            begin = int(self.twin_position) % blocks * TWIN_ROWS
+            self.twin_position.add_(1)
+            twins = self._twins(scale, begin, begin + TWIN_ROWS)  # identical on every process (the codebook is)
             self.revived_twins += twins.sum()
             starved |= twins
         count = int(starved.sum())

@@ -135,6 +135,33 @@ def test_revive_twins_moves_the_codes_the_soft_mstep_holds_together(revive_twins
         assert "revived_twins" not in quant.log_stats()
 
 
+def test_twins_are_checked_a_block_of_codes_per_batch_and_the_position_resumes():
+    from ddcl_vq.mstep import TWIN_ROWS
+    k = 2 * TWIN_ROWS + 100                                       # three blocks
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(k, 2, channel_dim=-1, warmup_steps=0, revive_twins=True,
+                          revive_threshold=1e-9).double().train()   # revival of starved codes all but off
+    z = batch(4096, 2)
+    quant(z)                                                      # first batch: k-means; checks block 0
+    assert int(quant.twin_position) == 1
+    with torch.no_grad():                                         # a twin in the third block
+        quant.weight[k - 1] = quant.weight[0] + 1e-6
+        quant.cluster_sums[k - 1] = quant.weight[k - 1] * quant.cluster_mass[k - 1]
+    state = {key: value.clone() for key, value in quant.state_dict().items()}
+    quant(z)                                                      # block 1: not seen yet
+    assert torch.allclose(quant.weight[k - 1], quant.weight[0], atol=1e-3)
+    before = int(quant.revived_twins)
+    quant(z)                                                      # block 2: re-seeded
+    assert int(quant.revived_twins) > before and not torch.allclose(quant.weight[k - 1], quant.weight[0], atol=1e-3)
+    resumed = DDCLQuantizer(k, 2, channel_dim=-1, warmup_steps=0, revive_twins=True, revive_threshold=1e-9).double()
+    resumed.load_state_dict(state)
+    assert int(resumed.twin_position) == 1                         # goes on with block 1
+    plain = DDCLQuantizer(k, 2, channel_dim=-1).double()            # saved without the option: block 0 first
+    plain.load_state_dict({key: v for key, v in state.items() if key != "twin_position"}, strict=False)
+    resumed.load_state_dict(plain.state_dict())
+    assert int(resumed.twin_position) == 0
+
+
 def test_no_revival_when_switched_off():
     torch.manual_seed(0)
     quant = DDCLQuantizer(8, 4, channel_dim=-1, codebook_init="normal", revive_threshold=0.0).double()
