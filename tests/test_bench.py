@@ -87,11 +87,12 @@ def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
 
 
 def test_first_batch_row_measures_a_fresh_quantizer():
-    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-first", "ddcl-mstep"], warmup=1, repeats=1,
-                                            budget_seconds=5, max_seconds=10, calibration=1e-10)}
+    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-first", "ddcl-mstep", "ddcl-twins"], warmup=1,
+                                            repeats=1, budget_seconds=5, max_seconds=10, calibration=1e-10)}
     assert rows["ddcl-first"]["ms"] > 0 and rows["ddcl-first"]["floor_matmuls"] == 3
+    assert rows["ddcl-twins"]["ms"] > 0 and rows["ddcl-twins"]["floor_matmuls"] == 3
     assert "ddcl-first" in format_table(list(rows.values()))
-    assert "first training batch" in IMPLS["ddcl-first"]
+    assert "first training batch" in IMPLS["ddcl-first"] and "revive_twins" in IMPLS["ddcl-twins"]
 
 
 def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():

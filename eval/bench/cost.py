@@ -17,6 +17,7 @@ IMPLS = {
     "matmul6": "six bare matmuls (floor of the full DDCL gradient)",
     "ddcl-mstep": "DDCL default: straight_through, M-step codebook",
     "ddcl-first": "DDCL default on its first training batch: a fresh quantizer, k-means start included",
+    "ddcl-twins": "DDCL default with revive_twins (512 codes checked for a twin per batch)",
     "ddcl-reference": "DDCL straight_through (codebook by gradient), plain autograd",
     "ddcl-fused": "DDCL straight_through (codebook by gradient), fused",
     "ddcl-chunked": "DDCL straight_through (codebook by gradient), chunked",
@@ -35,6 +36,7 @@ COST = {
     "matmul6": (6.0, 0.0, 0.0),
     "ddcl-mstep": (3.0, 4.0, 1.0),
     "ddcl-first": (4.0, 5.0, 1.0),       # + the k-means fit (see estimate)
+    "ddcl-twins": (3.5, 4.5, 1.0),       # + a 512×K·K×D twin check
     "ddcl-reference": (3.0, 23.0, 8.0),
     "ddcl-fused": (3.0, 3.0, 0.0),
     "ddcl-chunked": (3.0, 3.0, 0.0),
@@ -48,7 +50,7 @@ COST = {
 
 
 FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6,
-                 "ddcl-mstep": 3, "ddcl-first": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
+                 "ddcl-mstep": 3, "ddcl-first": 3, "ddcl-twins": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
 
 
 def calibrate(device: str = "cpu") -> float:

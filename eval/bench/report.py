@@ -47,7 +47,8 @@ x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shap
       of them (no gradient through q to z), so it can pass 100%.
 DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first batch;
 ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and first-batch
-set-up included, every run); ddcl-<path> = straight_through with the codebook trained by gradient;
+set-up included, every run); ddcl-twins = the default with revive_twins (one 512-code twin check per
+batch); ddcl-<path> = straight_through with the codebook trained by gradient;
 ddcl-soft-<path> = soft mode (full gradient).
 Whole training steps, DDCL and HardVQ alternating round by round (ratios: to the HardVQ step of the same rounds):
 vqvae-step-* = configs/fashion_ddcl.yaml vs fashion_hard.yaml; vqgan-step-* = configs/vqgan_photos64.yaml

@@ -72,9 +72,10 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
             torch.autograd.backward([out.quantized, out.loss], [gr, one])
             z.grad = None
         return synchronized(first, device)
-    if name == "ddcl-mstep":
+    if name in ("ddcl-mstep", "ddcl-twins"):
         # the library default in its steady state (past the warm-up's first 100 training batches)
-        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0)
+        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0,
+                              revive_twins=name == "ddcl-twins")
         quant.weight.data.copy_(inp.codebook.cpu())
     elif name.startswith("ddcl"):
         parts = name.split("-")
