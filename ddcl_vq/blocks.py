@@ -176,3 +176,28 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: Optional[int] = None) -> Tu
         values[start:start + x.shape[0]] = v
         indices[start:start + x.shape[0]] = i
     return values, indices
+
+
+@torch.no_grad()
+def nearest_other_code(codebook: Tensor, begin: int = 0, end: Optional[int] = None, earlier_only: bool = False,
+                       rows: Optional[int] = None) -> Tensor:
+    """(K, D) ``codebook`` -> (end − begin,) squared distance from each code of rows [begin, end)
+    (default: all) to its nearest other code — with ``earlier_only``, its nearest lower-indexed code
+    — or inf where there is none. Row blocks as in :func:`nearest_codes`: O(rows·K) extra memory,
+    O((end − begin)·K·D) work."""
+    k = codebook.shape[0]
+    end = k if end is None else min(end, k)
+    if rows is None:
+        rows = max(1, min(k, NEAREST_BLOCK_BYTES // max(k * codebook.element_size(), 1)))
+    w_norm = (codebook * codebook).sum(1)
+    columns = torch.arange(k, device=codebook.device)
+    values = codebook.new_empty(max(end - begin, 0))
+    for start in range(begin, end, rows):
+        block = codebook[start:min(start + rows, end)]
+        # squared_distances(block, codebook): ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
+        d = torch.mm(block, codebook.t()).mul_(-2.0).add_(w_norm[start:start + block.shape[0], None])
+        d = d.add_(w_norm).clamp_min_(0.0)
+        own = columns[start:start + block.shape[0], None]
+        excluded = columns[None, :] >= own if earlier_only else columns[None, :] == own
+        values[start - begin:start - begin + block.shape[0]] = d.masked_fill_(excluded, float("inf")).min(1).values
+    return values

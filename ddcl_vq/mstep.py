@@ -13,7 +13,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .blocks import NEAREST_BLOCK_BYTES, nearest_codes
+from .blocks import nearest_codes, nearest_other_code
 from .distributed import all_reduce_sum_, broadcast_, world_size
 from .kmeans import kmeans_init_
 from .statistics import SoftStatistics
@@ -106,19 +106,11 @@ class MStepCodebook:
 
         Closer than the softmax's divisor, two codes receive the same soft statistics, and the
         M-step keeps them together: they are one code in two places, and the hard index between
-        them is decided by noise (docs/prior.md). Computed in row blocks, O((end − begin)·K·D) work."""
+        them is decided by noise (docs/prior.md). O((end − begin)·K·D) work."""
         w = self.weight.data.float()
-        k = w.shape[0]
-        end = k if end is None else min(end, k)
-        rows = max(1, min(k, NEAREST_BLOCK_BYTES // (4 * k)))
-        norms = (w * w).sum(1)
-        columns = torch.arange(k, device=w.device)
-        twins = torch.zeros(k, dtype=torch.bool, device=w.device)
-        for start in range(begin, end, rows):
-            block = w[start:min(start + rows, end)]
-            d = torch.mm(block, w.t()).mul_(-2.0).add_(norms[start:start + block.shape[0], None]).add_(norms)
-            later = columns[None, :] >= columns[start:start + block.shape[0], None]  # itself and later codes
-            twins[start:start + block.shape[0]] = d.masked_fill_(later, float("inf")).lt(scale).any(1)
+        end = w.shape[0] if end is None else min(end, w.shape[0])
+        twins = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+        twins[begin:end] = nearest_other_code(w, begin, end, earlier_only=True) < scale
         return twins
 
     @torch.no_grad()

@@ -40,6 +40,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ddcl_vq.base import squared_distances
+from ddcl_vq.blocks import nearest_other_code
 from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
@@ -116,17 +117,10 @@ def _quantize(features: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
 DUPLICATE_FRACTION = 0.01
 
 
-def duplicate_codes(codebook: Tensor, rows: int = 1024) -> Tensor:
+def duplicate_codes(codebook: Tensor, rows: Optional[int] = None) -> Tensor:
     """(K, D) -> (K,) bool: codes whose nearest other code is nearer than DUPLICATE_FRACTION of the
-    median nearest-other-code distance (squared). Row blocks: O(rows·K) memory."""
-    k = codebook.shape[0]
-    if k < 2:
-        return torch.zeros(k, dtype=torch.bool)
-    nearest = torch.empty(k, dtype=codebook.dtype)
-    for start in range(0, k, rows):
-        d = squared_distances(codebook[start:start + rows], codebook)
-        d[torch.arange(d.shape[0]), torch.arange(start, start + d.shape[0])] = float("inf")
-        nearest[start:start + d.shape[0]] = d.min(1).values
+    median nearest-other-code distance (squared)."""
+    nearest = nearest_other_code(codebook, rows=rows)
     return nearest < DUPLICATE_FRACTION * nearest.median()
 
 

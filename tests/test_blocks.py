@@ -6,7 +6,7 @@ import torch
 import ddcl_vq.blocks as blocks
 import ddcl_vq.fused as fused
 from ddcl_vq import assign, cpu_pool
-from ddcl_vq.blocks import block_rows, chunk_rows
+from ddcl_vq.blocks import block_rows, chunk_rows, nearest_other_code
 from ddcl_vq.statistics import soft_statistics
 
 GiB = 2**30
@@ -185,3 +185,14 @@ def test_buffer_reuse_switch_frees_and_gives_the_same_results():
     for run in results[1:]:
         for x, y in zip(results[0], run):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("earlier_only", [False, True])
+def test_nearest_other_code_is_the_brute_force_minimum_over_the_other_codes(earlier_only):
+    w = torch.randn(37, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    d = torch.cdist(w, w).pow(2)
+    mask = torch.ones(37, 37, dtype=torch.bool).triu() if earlier_only else torch.eye(37, dtype=torch.bool)
+    expected = d.masked_fill(mask, float("inf")).min(1).values
+    torch.testing.assert_close(nearest_other_code(w, earlier_only=earlier_only, rows=8), expected)
+    torch.testing.assert_close(nearest_other_code(w, 10, 30, earlier_only=earlier_only, rows=7), expected[10:30])
+    assert nearest_other_code(w[:1], earlier_only=earlier_only).isinf().all()
