@@ -311,6 +311,40 @@ def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     assert dataclasses.replace(cpu_prior.train, steps=2000, eval_every=500) == full_prior.train
 
 
+def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_path):
+    """configs/study_prior_seeds.yaml and study_prior_gap.yaml sit beside study_prior_cpu.yaml's rows
+    in docs/prior.md: their DDCL and peer tokenizers are the CPU study's but for the seed, their
+    revive_twins and τ arms DDCL's default but for those keys, and the prior, tokens and evaluation
+    are the same."""
+    from ddcl_vq.eval.prior.study import load_prior_study
+
+    cpu = load_prior_study(ROOT / "configs/study_prior_cpu.yaml", out=tmp_path)
+    by_group = {a.group: a.config for a in cpu[1].arms}
+
+    def same_run(config, like):
+        return dataclasses.replace(config, run=like.run)
+
+    seeds = load_prior_study(ROOT / "configs/study_prior_seeds.yaml", out=tmp_path)
+    assert sorted({a.config.run.seed for a in seeds[1].arms}) == [1, 2] and seeds[5] == [0]
+    for arm in seeds[1].arms:
+        twins = arm.group.startswith("ddcl_twins_")
+        like = by_group[arm.group.replace("ddcl_twins_", "ddcl_")]
+        expected = dataclasses.replace(like, quantizer=dataclasses.replace(like.quantizer, revive_twins=True)) \
+            if twins else like
+        assert same_run(arm.config, like) == expected, arm.name
+    gap = load_prior_study(ROOT / "configs/study_prior_gap.yaml", out=tmp_path)
+    changed = {"ddcl_tau_anneal_k1024": {"temperature_schedule": "cosine", "temperature_final": 0.01},
+               "ddcl_tau_anneal3_k1024": {"temperature_schedule": "cosine", "temperature_final": 0.003},
+               "ddcl_twins_k1024": {"revive_twins": True}, "ddcl_twins_k256": {"revive_twins": True}}
+    assert {a.group for a in gap[1].arms} == set(changed)
+    for arm in gap[1].arms:
+        like = by_group["ddcl_k" + arm.group.rsplit("_k", 1)[1]]
+        expected = dataclasses.replace(like, quantizer=dataclasses.replace(like.quantizer, **changed[arm.group]))
+        assert same_run(arm.config, like) == expected, arm.name
+    for other in (seeds, gap):
+        assert other[2] == cpu[2] and other[3:5] == cpu[3:5]
+
+
 def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
     from ddcl_vq.eval.prior.study import aggregate, markdown, write_plot
 
