@@ -364,6 +364,30 @@ def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
+    """An arm on several tokenizer seeds gets one row over them: the mean ± sd of each tokenizer's
+    (prior-averaged) figures; an arm on one tokenizer seed gets none."""
+    from ddcl_vq.eval.prior.study import aggregate, over_tokenizer_seeds, seeds_markdown
+
+    base = {"type": "ddcl", "num_codes": 256, "utilization": 1.0, "perplexity": 200.0, "log2_k": 8.0,
+            "fd_recon": 1.0, "bits_per_image": None, "class_accuracy": 0.5}
+    runs = []
+    for tok_seed, psnr, bits in ((0, 24.0, (3.0, 3.2)), (1, 25.0, (4.0, 4.2)), (2, 26.0, (5.0, 5.2))):
+        runs += [dict(base, tokenizer=f"ddcl_k256_s{tok_seed}", group="ddcl_k256", tokenizer_seed=tok_seed,
+                      psnr=psnr, prior_seed=p, bits_per_token=b, fd_samples=10.0 * tok_seed) for p, b in enumerate(bits)]
+    runs.append(dict(base, tokenizer="hard_k256_s0", group="hard_k256", tokenizer_seed=0, type="hard", psnr=20.0,
+                     prior_seed=0, bits_per_token=2.0, fd_samples=7.0))
+    rows = over_tokenizer_seeds(aggregate(runs))
+    assert [r["arm"] for r in rows] == ["ddcl_k256"]
+    row = rows[0]
+    assert row["tokenizer_seeds"] == [0, 1, 2] and row["n"] == 3
+    assert row["bits_per_token"] == pytest.approx(4.1) and row["bits_per_token_sd"] == pytest.approx(1.0)
+    assert row["psnr"] == pytest.approx(25.0) and row["fd_samples_sd"] == pytest.approx(10.0)
+    assert row["bits_per_image"] is None
+    table = seeds_markdown(rows)
+    assert "| ddcl_k256 | ddcl | 256 | 0,1,2 (3) | 25.00 ± 1.00 |" in table and "4.1000 ± 1.0000" in table
+
+
 def test_study_end_to_end_then_report_only_trains_nothing(tmp_path, monkeypatch):
     """A --quick study of one tokenizer and one prior seed; then --report-only over every tokenizer
     and two prior seeds tabulates the finished prior again and names, without training, the rest."""
@@ -374,6 +398,8 @@ def test_study_end_to_end_then_report_only_trains_nothing(tmp_path, monkeypatch)
     first = run_prior_study(study, quick=True, out=out, arms=["ddcl_k256*"], prior_seeds=[0], progress=False)
     (run,) = first["runs"]
     assert run["name"] == "ddcl_k256_s0_p0" and run["prior_steps"] == 3 and first["left_out"] == []
+    assert (run["group"], run["tokenizer_seed"]) == ("ddcl_k256", 0)
+    assert json.loads((out / "table.json").read_text())["over_tokenizer_seeds"] == []  # one tokenizer seed
     summary = (out / "priors" / "ddcl_k256_s0_p0" / "summary.json").read_bytes()
     again = run_prior_study(study, quick=True, out=out, arms=["ddcl_k256*"], prior_seeds=[0], progress=False)
     assert again["runs"] == first["runs"]  # the finished prior is read, not reopened

@@ -18,7 +18,8 @@ file has five parts:
 For every finished tokenizer: tokenize the train and test splits (OUT/tokens/), train the prior once
 per prior seed (OUT/priors/<tokenizer>_p<seed>), evaluate it (``ddcl-vq prior evaluate``), then one
 table (OUT/table.md, .csv, .json: mean ± sd over the prior seeds beside the tokenizer's PSNR and
-utilization) and one plot (OUT/recon_vs_generation.png). Everything resumes: finished tokenizers,
+utilization; where an arm ran on several tokenizer seeds, a second table of mean ± sd over its
+tokenizers, the spread of the tokenizer run) and one plot (OUT/recon_vs_generation.png). Everything resumes: finished tokenizers,
 token files, priors and evaluations are reused when the same command runs again. A study run in
 pieces (``--arms``, ``--prior-seeds``) writes each piece's table; ``--report-only`` trains nothing
 and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
@@ -108,7 +109,8 @@ FD samples                    = Fréchet distance between decoded samples and re
 FD recon                      = the same for the tokenizer's reconstructions of the test tokens
                                 (no prior: what the codes alone cost)
 class acc.                    = the classifier's accuracy on samples drawn for each class
-mean ± sd                     = over the prior seeds (sample sd); one tokenizer per row"""
+mean ± sd                     = over the prior seeds (sample sd); one tokenizer per row (in the
+                                table over tokenizer seeds: over an arm's tokenizers)"""
 
 
 class PriorStudyError(UserError, RuntimeError):
@@ -266,7 +268,8 @@ def _fmt(value, spec: str) -> str:
 
 def _row(arm, trow: Dict, seed: int, ev: Dict, summary: Dict) -> Dict:
     fd, ca, nll = ev.get("frechet") or {}, ev.get("class_accuracy") or {}, ev.get("nll") or {}
-    return {"name": f"{arm.name}_p{seed}", "tokenizer": arm.name, "group": arm.group, "prior_seed": seed,
+    return {"name": f"{arm.name}_p{seed}", "tokenizer": arm.name, "group": arm.group,
+            "tokenizer_seed": arm.config.run.seed, "prior_seed": seed,
             "type": trow.get("type"), "num_codes": ev["num_codes"], "psnr": trow.get("hard_psnr"),
             "utilization": trow.get("utilization"), "perplexity": trow.get("perplexity"),
             "bits_per_token": nll.get("bits_per_token"), "bits_per_image": nll.get("bits_per_image"),
@@ -286,13 +289,49 @@ def aggregate(runs: Sequence[Dict]) -> List[Dict]:
     out = []
     for name, members in groups.items():
         first = members[0]
-        row = {"tokenizer": name, "type": first["type"], "num_codes": first["num_codes"], "psnr": first["psnr"],
+        row = {"tokenizer": name, "group": first.get("group", name), "tokenizer_seed": first.get("tokenizer_seed"),
+               "type": first["type"], "num_codes": first["num_codes"], "psnr": first["psnr"],
                "utilization": first["utilization"], "perplexity": first["perplexity"], "log2_k": first["log2_k"],
                "fd_recon": first["fd_recon"], "n": len(members), "prior_seeds": [m["prior_seed"] for m in members]}
         for key, _, _ in METRICS:
             row[key], row[f"{key}_sd"], _ = mean_sd([m[key] for m in members])
         out.append(row)
     return out
+
+
+#: what the table over tokenizer seeds averages: the tokenizer's figures, then the priors' means
+SEED_METRICS = [("psnr", "PSNR (dB)", ".2f"), ("utilization", "utilization", ".1%"),
+                ("perplexity", "perplexity", ".1f")] + METRICS + [("fd_recon", "FD recon", ".3f")]
+
+
+def over_tokenizer_seeds(groups: Sequence[Dict]) -> List[Dict]:
+    """One row per arm (``group``: the arm at one sweep point) trained on more than one tokenizer
+    seed: mean ± sample sd over its tokenizers of each tokenizer's row (for the prior's figures,
+    the tokenizer's mean over its prior seeds), so the spread is the tokenizer run's."""
+    from ddcl_vq.eval.study.aggregate import mean_sd
+
+    arms: Dict[str, List[Dict]] = {}
+    for g in groups:
+        arms.setdefault(g["group"], []).append(g)
+    out = []
+    for name, members in arms.items():
+        if len(members) < 2:
+            continue
+        row = {"arm": name, "type": members[0]["type"], "num_codes": members[0]["num_codes"], "n": len(members),
+               "tokenizer_seeds": [m["tokenizer_seed"] for m in members]}
+        for key, _, _ in SEED_METRICS:
+            row[key], row[f"{key}_sd"], _ = mean_sd([m[key] for m in members])
+        out.append(row)
+    return out
+
+
+def seeds_markdown(rows: Sequence[Dict]) -> str:
+    head = ["arm", "quantizer", "K", "tokenizer seeds (n)"] + [h for _, h, _ in SEED_METRICS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["arm"], str(r["type"]), str(r["num_codes"]), f"{','.join(map(str, r['tokenizer_seeds']))} ({r['n']})"]
+        lines.append("| " + " | ".join(cells + [_pm(r, key, spec) for key, _, spec in SEED_METRICS]) + " |")
+    return "\n".join(lines)
 
 
 def _pm(row: Dict, key: str, spec: str) -> str:
@@ -321,7 +360,12 @@ def write_tables(out: Path, spec: PriorStudyFile, groups, runs, info) -> None:
     text = [f"# {spec.name or 'prior study'}", "", spec.description.strip(), ""]
     if info["quick"]:
         text += ["**--quick: a smoke test (tiny tokenizers and priors); these figures measure nothing.**", ""]
-    text += [markdown(groups), "", "Per prior seed:", "", "| run | bits/token | bits/image | FD samples | class acc. |",
+    text += [markdown(groups), ""]
+    seed_rows = over_tokenizer_seeds(groups)
+    if seed_rows:
+        text += ["Over tokenizer seeds (mean ± sample sd over the tokenizers of each arm; a tokenizer's "
+                 "prior figures are its mean over prior seeds):", "", seeds_markdown(seed_rows), ""]
+    text += ["Per prior seed:", "", "| run | bits/token | bits/image | FD samples | class acc. |",
              "|---|---|---|---|---|"]
     text += [f"| {r['name']} | {_fmt(r['bits_per_token'], '.4f')} | {_fmt(r['bits_per_image'], '.1f')} | "
              f"{_fmt(r['fd_samples'], '.3f')} | {_fmt(r['class_accuracy'], '.1%')} |" for r in runs]
@@ -334,7 +378,8 @@ def write_tables(out: Path, spec: PriorStudyFile, groups, runs, info) -> None:
     (out / "table.md").write_text("\n".join(text))
     flat = [{k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in g.items()} for g in groups]
     write_csv(out / "table.csv", flat)
-    (out / "table.json").write_text(json.dumps({"rows": groups, "runs": runs, **info, "definitions": DEFINITIONS},
+    (out / "table.json").write_text(json.dumps({"rows": groups, "over_tokenizer_seeds": seed_rows, "runs": runs,
+                                                **info, "definitions": DEFINITIONS},
                                                indent=2) + "\n")
 
 
@@ -401,6 +446,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_prior_study(opts.config, opts.quick, opts.out, opts.arms, opts.prior_seeds, command=command,
                              report_only=opts.report_only)
     print(markdown(result["groups"]))
+    seed_rows = over_tokenizer_seeds(result["groups"])
+    if seed_rows:
+        print("\nover tokenizer seeds:\n" + seeds_markdown(seed_rows))
     if result["left_out"]:
         print(f"\nnot finished, left out: {', '.join(result['left_out'])}")
     print(f"\nreport: {Path(result['out']) / 'table.md'}, plot: {Path(result['out']) / 'recon_vs_generation.png'}")
