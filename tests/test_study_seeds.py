@@ -237,3 +237,23 @@ def test_quick_ablation_in_full(tmp_path, capsys):
     assert ("| g_sharp_mstep | ddcl | 1024 | straight_through, τ=0.03 (data), M-step, kmeans init, revival 0.03, "
             "warm-up 100 |") in report
     assert len((out / "table.csv").read_text().strip().splitlines()) == 1 + 11
+
+
+def test_a_moved_run_directory_is_the_same_run_and_another_config_is_an_error(tmp_path):
+    """check_run_dir: a run whose config.yaml differs from the arm's only in the path it was written
+    under (a study directory moved or copied) is the arm's run; any other difference is an error
+    that names the key."""
+    from ddcl_vq.eval.study.run import StudyError, check_run_dir
+    from ddcl_vq.train.config import dump_config
+
+    arm = load_study(HEADLINE, out=tmp_path / "moved").arms[0]
+    run_dir = Path(arm.config.run.dir)
+    run_dir.mkdir(parents=True)
+    elsewhere = arm.config.to_dict()
+    elsewhere["run"]["dir"] = str(tmp_path / "first_place" / "runs" / arm.name)
+    (run_dir / "config.yaml").write_text(dump_config(Config.from_dict(elsewhere)))
+    check_run_dir(arm)
+    elsewhere["train"]["lr"] = 2 * arm.config.train.lr
+    (run_dir / "config.yaml").write_text(dump_config(Config.from_dict(elsewhere)))
+    with pytest.raises(StudyError, match="train.lr"):
+        check_run_dir(arm)

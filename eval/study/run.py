@@ -44,13 +44,17 @@ def _diff(old: Dict, new: Dict, prefix: str = "") -> List[str]:
 
 
 def check_run_dir(arm: Arm) -> None:
-    """A run directory that already holds another config is an error (never mixed silently)."""
+    """A run directory that already holds another config is an error (never mixed silently). The
+    path it was written under (``run.dir``) is not part of the run: a study directory can be moved
+    or copied and still be resumed and tabulated."""
     from ddcl_vq.train.config import load_config
     cfg_path = Path(arm.config.run.dir) / "config.yaml"
     if not cfg_path.is_file():
         return
     old = load_config(cfg_path, migrate=True).to_dict()
-    diff = _diff(old, arm.config.to_dict())
+    new = arm.config.to_dict()
+    old["run"] = dict(old["run"], dir=new["run"]["dir"])
+    diff = _diff(old, new)
     if diff:
         raise StudyError(f"arm {arm.name!r}: {cfg_path.parent} holds a run with a different config "
                          f"({'; '.join(diff[:4])}); delete that directory or choose another --out")
