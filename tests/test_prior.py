@@ -374,7 +374,8 @@ def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
     runs = []
     for tok_seed, psnr, bits in ((0, 24.0, (3.0, 3.2)), (1, 25.0, (4.0, 4.2)), (2, 26.0, (5.0, 5.2))):
         runs += [dict(base, tokenizer=f"ddcl_k256_s{tok_seed}", group="ddcl_k256", tokenizer_seed=tok_seed,
-                      psnr=psnr, prior_seed=p, bits_per_token=b, fd_samples=10.0 * tok_seed) for p, b in enumerate(bits)]
+                      psnr=psnr, prior_seed=p, bits_per_token=b, fd_samples=10.0 * tok_seed)
+                 for p, b in enumerate(bits)]
     runs.append(dict(base, tokenizer="hard_k256_s0", group="hard_k256", tokenizer_seed=0, type="hard", psnr=20.0,
                      prior_seed=0, bits_per_token=2.0, fd_samples=7.0))
     rows = over_tokenizer_seeds(aggregate(runs))

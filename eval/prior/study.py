@@ -19,8 +19,9 @@ For every finished tokenizer: tokenize the train and test splits (OUT/tokens/), 
 per prior seed (OUT/priors/<tokenizer>_p<seed>), evaluate it (``ddcl-vq prior evaluate``), then one
 table (OUT/table.md, .csv, .json: mean ± sd over the prior seeds beside the tokenizer's PSNR and
 utilization; where an arm ran on several tokenizer seeds, a second table of mean ± sd over its
-tokenizers, the spread of the tokenizer run) and one plot (OUT/recon_vs_generation.png). Everything resumes: finished tokenizers,
-token files, priors and evaluations are reused when the same command runs again. A study run in
+tokenizers, the spread of the tokenizer run) and one plot (OUT/recon_vs_generation.png).
+Everything resumes: finished tokenizers, token files, priors and evaluations are reused when the
+same command runs again. A study run in
 pieces (``--arms``, ``--prior-seeds``) writes each piece's table; ``--report-only`` trains nothing
 and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
 """
@@ -329,7 +330,8 @@ def seeds_markdown(rows: Sequence[Dict]) -> str:
     head = ["arm", "quantizer", "K", "tokenizer seeds (n)"] + [h for _, h, _ in SEED_METRICS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["arm"], str(r["type"]), str(r["num_codes"]), f"{','.join(map(str, r['tokenizer_seeds']))} ({r['n']})"]
+        seeds = ",".join(map(str, r["tokenizer_seeds"]))
+        cells = [r["arm"], str(r["type"]), str(r["num_codes"]), f"{seeds} ({r['n']})"]
         lines.append("| " + " | ".join(cells + [_pm(r, key, spec) for key, _, spec in SEED_METRICS]) + " |")
     return "\n".join(lines)
 
