@@ -21,9 +21,8 @@ table (OUT/table.md, .csv, .json: mean ± sd over the prior seeds beside the tok
 utilization; where an arm ran on several tokenizer seeds, a second table of mean ± sd over its
 tokenizers, the spread of the tokenizer run) and one plot (OUT/recon_vs_generation.png).
 Everything resumes: finished tokenizers, token files, priors and evaluations are reused when the
-same command runs again. A study run in
-pieces (``--arms``, ``--prior-seeds``) writes each piece's table; ``--report-only`` trains nothing
-and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
+same command runs again. A study run in pieces (``--arms``, ``--prior-seeds``) writes each piece's
+table; ``--report-only`` trains nothing and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
 """
 from __future__ import annotations
 
@@ -240,12 +239,13 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
     if not runs:
         raise PriorStudyError("no prior finished (no tokenizer finished?)")
     groups = aggregate(runs)
+    seed_rows = over_tokenizer_seeds(groups)
     info = {"command": command, "wall_seconds": round(time.time() - started, 1), "quick": quick,
             "report_only": report_only, "left_out": left_out, "prior_seeds": seeds,
             "prior_overrides": prior_overrides, "tokenize": tok, "evaluate": ev}
-    write_tables(out_dir, spec, groups, runs, info)
+    write_tables(out_dir, spec, groups, seed_rows, runs, info)
     write_plot(out_dir / "recon_vs_generation.png", groups)
-    return {"groups": groups, "runs": runs, "out": str(out_dir), **info}
+    return {"groups": groups, "over_tokenizer_seeds": seed_rows, "runs": runs, "out": str(out_dir), **info}
 
 
 def finished_prior(cfg) -> Optional[Dict]:
@@ -356,14 +356,13 @@ def markdown(groups: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
-def write_tables(out: Path, spec: PriorStudyFile, groups, runs, info) -> None:
+def write_tables(out: Path, spec: PriorStudyFile, groups, seed_rows, runs, info) -> None:
     from ddcl_vq.eval.compare import write_csv
 
     text = [f"# {spec.name or 'prior study'}", "", spec.description.strip(), ""]
     if info["quick"]:
         text += ["**--quick: a smoke test (tiny tokenizers and priors); these figures measure nothing.**", ""]
     text += [markdown(groups), ""]
-    seed_rows = over_tokenizer_seeds(groups)
     if seed_rows:
         text += ["Over tokenizer seeds (mean ± sample sd over the tokenizers of each arm; a tokenizer's "
                  "prior figures are its mean over prior seeds):", "", seeds_markdown(seed_rows), ""]
@@ -448,9 +447,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_prior_study(opts.config, opts.quick, opts.out, opts.arms, opts.prior_seeds, command=command,
                              report_only=opts.report_only)
     print(markdown(result["groups"]))
-    seed_rows = over_tokenizer_seeds(result["groups"])
-    if seed_rows:
-        print("\nover tokenizer seeds:\n" + seeds_markdown(seed_rows))
+    if result["over_tokenizer_seeds"]:
+        print("\nover tokenizer seeds:\n" + seeds_markdown(result["over_tokenizer_seeds"]))
     if result["left_out"]:
         print(f"\nnot finished, left out: {', '.join(result['left_out'])}")
     print(f"\nreport: {Path(result['out']) / 'table.md'}, plot: {Path(result['out']) / 'recon_vs_generation.png'}")
