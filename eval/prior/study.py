@@ -22,7 +22,8 @@ utilization; where an arm ran on several tokenizer seeds, a second table of mean
 tokenizers, the spread of the tokenizer run) and one plot (OUT/recon_vs_generation.png).
 Everything resumes: finished tokenizers, token files, priors and evaluations are reused when the
 same command runs again. A study run in pieces (``--arms``, ``--prior-seeds``) writes each piece's
-table; ``--report-only`` trains nothing and writes one table of every finished tokenizer and prior (unfinished ones are named and left out).
+table; ``--report-only`` trains nothing and writes one table of every finished tokenizer and prior
+(unfinished ones are named and left out).
 """
 from __future__ import annotations
 
