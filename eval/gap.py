@@ -4,7 +4,9 @@ For each run, on the first ``--images`` images of the split:
 
 - ``psnr_hard``: the decoder on the hard codes (what a prior or a deployed decoder sees);
 - ``psnr_unquantized``: the decoder fed the encoder's features *without* quantization — what this
-  encoder/decoder pair reaches with an infinitely fine codebook;
+  encoder/decoder pair reaches with an infinitely fine codebook, provided the decoder reads features
+  between the codes (a decoder trained only on coarse codes may not: in the VQGAN recipe every
+  quantizer's gap is within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md);
 - ``gap_db`` = psnr_unquantized − psnr_hard: the part of the error due to quantization;
 - ``relative_distortion``: mean squared distance of a feature vector to its nearest code over the
   features' total variance (how finely the codebook covers the features);
@@ -188,13 +190,14 @@ def markdown(rows: Sequence[Dict]) -> str:
 HELP = """\
 Where a trained run's reconstruction error comes from. For each run, on the first --images images
 of the split: hard-code PSNR; the decoder fed the encoder's features without quantization (what
-the encoder/decoder pair reaches with an infinitely fine codebook); their gap (the part of the
-error due to quantization); the mean squared nearest-code distance over the features' variance;
-and hard PSNR after --lloyd hard k-means steps of the codebook on --fit-images training images'
-features (if these add nothing, the codebook sits where hard k-means would put it); how many
-tokens change under pixel noise of sd --noise, and the near-duplicate codes (nearest other code
-within 1% of the median spacing, squared) with their share of the tokens. Prints a markdown
-table, one row per run.
+the encoder/decoder pair reaches with an infinitely fine codebook, if the decoder reads features
+between the codes: a gap near 0 with a large nearest-code distance says it does not); their gap
+(the part of the error due to quantization); the mean squared nearest-code distance over the
+features' variance; and hard PSNR after --lloyd hard k-means steps of the codebook on
+--fit-images training images' features (if these add nothing, the codebook sits where hard
+k-means would put it); how many tokens change under pixel noise of sd --noise, and the
+near-duplicate codes (nearest other code within 1% of the median spacing, squared) with their
+share of the tokens. Prints a markdown table, one row per run.
 
   ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
   ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json
