@@ -218,7 +218,7 @@ def test_quick_headline_at_k256_with_two_seeds(tmp_path):
     assert float(groups[0]["hard_psnr"]) == pytest.approx(statistics.mean(psnr))
     assert float(groups[0]["hard_psnr_sd"]) == pytest.approx(statistics.stdev(psnr))
     table = json.loads((out / "table.json").read_text())
-    assert len(table["rows"]) == 8 and len(table["runs"]) == 16
+    assert len(table["rows"]) == 9 and len(table["runs"]) == 18
     assert json.loads((out / "study.json").read_text())["seeds"] == [0, 1]
     assert yaml.safe_load((out / "runs" / "hard_k256_s1" / "config.yaml").read_text())["run"]["seed"] == 1
 
