@@ -141,7 +141,7 @@ def test_heldout_study_config_lists_every_part_and_arm():
     assert study.seeds == [0, 1, 2] and [p.name for p in study.parts] == ["photos_a", "photos_b", "photos_c",
                                                                            "fashion_to_digits"]
     arms = ["ddcl", "hard", "ema_restart", "vqp_default", "vqp_kmeans_expiry", "fsq", "fsq_888", "simvq",
-            "simvq_fair"]
+            "simvq_fair", "simvq_fair_no_rotation"]
     assert len(study.arms) == 4 * len(arms) * 3
     assert [a.name for a in study.arms[:len(arms)]] == [f"photos_a_{a}_s0" for a in arms]
     assert {a.group for a in study.arms} == {f"{p.name}_{a}" for p in study.parts for a in arms}

@@ -28,7 +28,7 @@ def _diff(a: Config, b: Config):
 
 def test_headline_config_validates_and_matches_the_baseline_configs():
     study = load_study(HEADLINE)
-    assert study.seeds == [0, 1, 2] and len(study.arms) == 9 * 3 * 3
+    assert study.seeds == [0, 1, 2] and len(study.arms) == 10 * 3 * 3
     assert [a.name for a in study.arms[:6]] == ["ddcl_k1024_s0", "hard_k1024_s0", "ema_restart_k1024_s0",
                                                 "vqp_default_k1024_s0", "vqp_kmeans_expiry_k1024_s0", "fsq_k1024_s0"]
     assert {a.config.run.seed for a in study.arms} == {0, 1, 2}
@@ -48,6 +48,11 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
     assert _diff(by_group["fsq_k1024"], by_group["fsq_lr3x_k1024"]).keys() == {"run.name", "run.dir",
                                                                                "train.codebook_lr_ratio"}
     assert by_group["fsq_lr3x_k1024"].train.codebook_lr_ratio == 3.0
+    # the two fair SimVQ arms differ only in the encoder gradient (rotation trick, or plain straight-through)
+    assert _diff(by_group["simvq_fair_k1024"], by_group["simvq_fair_no_rotation_k1024"]).keys() == {
+        "run.name", "run.dir", "quantizer.simvq"}
+    assert by_group["simvq_fair_no_rotation_k1024"].quantizer.simvq == {
+        **by_group["simvq_fair_k1024"].quantizer.simvq, "rotation_trick": False}
 
 
 def test_ablation_config_validates_chain_ends_at_the_defaults():
@@ -209,16 +214,16 @@ def test_quick_headline_at_k256_with_two_seeds(tmp_path):
         groups = list(csv.DictReader(f))
     assert [g["name"] for g in groups] == ["ddcl_k256", "hard_k256", "ema_restart_k256", "vqp_default_k256",
                                            "vqp_kmeans_expiry_k256", "fsq_k256", "fsq_lr3x_k256", "simvq_default_k256",
-                                           "simvq_fair_k256"]
+                                           "simvq_fair_k256", "simvq_fair_no_rotation_k256"]
     assert all(g["n"] == "2" and g["seeds"] == "0 1" and float(g["ms_per_step"]) > 0 for g in groups)
     with open(out / "table_runs.csv") as f:
         runs = list(csv.DictReader(f))
-    assert len(runs) == 18 and runs[0]["name"] == "ddcl_k256_s0" and runs[1]["name"] == "ddcl_k256_s1"
+    assert len(runs) == 20 and runs[0]["name"] == "ddcl_k256_s0" and runs[1]["name"] == "ddcl_k256_s1"
     psnr = [float(r["hard_psnr"]) for r in runs[:2]]
     assert float(groups[0]["hard_psnr"]) == pytest.approx(statistics.mean(psnr))
     assert float(groups[0]["hard_psnr_sd"]) == pytest.approx(statistics.stdev(psnr))
     table = json.loads((out / "table.json").read_text())
-    assert len(table["rows"]) == 9 and len(table["runs"]) == 18
+    assert len(table["rows"]) == 10 and len(table["runs"]) == 20
     assert json.loads((out / "study.json").read_text())["seeds"] == [0, 1]
     assert yaml.safe_load((out / "runs" / "hard_k256_s1" / "config.yaml").read_text())["run"]["seed"] == 1
 
