@@ -44,6 +44,7 @@ def _int(value: Any) -> bool:
 #: after the choices (the temperature and its schedule: :meth:`DDCLQuantizer.set_schedule`)
 ARGUMENT_RULES: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
     ("beta", lambda v: _number(v) and v >= 0, "beta >= 0"),
+    ("beta_final", lambda v: v is None or (_number(v) and v >= 0), "beta_final >= 0 or None"),
     ("decay", lambda v: _number(v) and 0 <= v < 1, "0 <= decay < 1"),
     ("revive_threshold", lambda v: _number(v) and 0 <= v < 1, "0 <= revive_threshold < 1"),
     ("revive_twins", lambda v: isinstance(v, bool), "revive_twins, a bool"),

@@ -134,6 +134,11 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             readout form; prone to collapse in a VQ-VAE, see docs/results.md).
             ``"soft_straight_through"``: decoder sees w_{k*}, gradients as if it were ẑ.
         beta: commitment weight (``straight_through`` mode only).
+        beta_final: if given, the commitment weight rises linearly from ``beta`` to ``beta_final``
+            over ``schedule_steps`` calls of :meth:`step` (the training length), then stays there: a
+            loose commitment while the autoencoder learns, a tight one at the end, which pulls the
+            features onto their codes (a smaller quantization gap). Off by default while it is
+            measured (docs/screens.md, sixth round).
         codebook_init: ``"kmeans"`` (default: k-means on the first training batch, identical on
             every process; when the batch has fewer vectors than codes, repeated seeds are
             separated by a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) as in the
@@ -169,7 +174,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
     def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.03,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
-                 mode: str = "straight_through", beta: float = 0.25,
+                 mode: str = "straight_through", beta: float = 0.25, beta_final: Optional[float] = None,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
                  revive_criterion: str = "usage", revive_twins: bool = False, restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,
@@ -182,12 +187,14 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             temperature_reference=temperature_reference, temperature_schedule=temperature_schedule,
             encoder_gradient=encoder_gradient, revive_criterion=revive_criterion, implementation=implementation,
             beta=beta, decay=decay, revive_threshold=revive_threshold, revive_twins=revive_twins, chunk_size=chunk_size,
+            beta_final=beta_final,
             chunk_threshold_bytes=chunk_threshold_bytes, restart_step=restart_step, warmup_steps=warmup_steps))
         self.implementation = implementation
         self.chunk_size = chunk_size
         self.chunk_threshold_bytes = int(chunk_threshold_bytes)
         self.mode = mode
         self.beta = float(beta)
+        self.beta_final = None if beta_final is None else float(beta_final)
         self.codebook_init = codebook_init
         self.temperature_reference = temperature_reference
         self.codebook_update = codebook_update
@@ -379,7 +386,10 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         else:
             out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
         commitment = (x - hard).pow(2).sum(1).mean()
-        loss = self.beta * commitment / self.dim
+        beta = self.beta
+        if self.beta_final is not None and self.schedule_steps:
+            beta += (self.beta_final - self.beta) * min(1.0, int(self.schedule_step) / self.schedule_steps)
+        loss = beta * commitment / self.dim
         if codebook_loss is not None:
             loss = loss + codebook_loss / self.dim
         return out, loss, {"commitment": commitment.detach()}
@@ -411,5 +421,5 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
                 f"revive_criterion={self.revive_criterion!r}, revive_twins={self.revive_twins}, "
                 f"restart_step={self.restart_step}, warmup_steps={self.warmup_steps}, "
                 f"encoder_gradient={self.encoder_gradient!r}, "
-                f"beta={self.beta:g}, codebook_init={self.codebook_init!r}, "
+                f"beta={self.beta:g}{'' if self.beta_final is None else f'->{self.beta_final:g}'}, codebook_init={self.codebook_init!r}, "
                 f"implementation={self.implementation!r}")

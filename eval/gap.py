@@ -128,13 +128,22 @@ def duplicate_codes(codebook: Tensor, rows: Optional[int] = None) -> Tensor:
 
 @torch.no_grad()
 def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 4000, lloyd: int = 3,
-                     split: str = "test", batch_size: int = 250, noise: float = 0.005) -> Dict:
-    """The figures described in the module docstring, for one run directory."""
+                     split: str = "test", batch_size: int = 250, noise: float = 0.005,
+                     data: Optional[str] = None) -> Dict:
+    """The figures described in the module docstring, for one run directory (``data``: measure on
+    that dataset's ``split`` instead of the run's own; the Lloyd steps still fit the run's own data)."""
+    import dataclasses
     from ddcl_vq.train.data import build_dataset
     cfg, model, step, _ = load_run(run_dir)
     if model.quantizer.channel_dim != 1:
         raise EvaluateError("gap expects a VQ-VAE whose quantizer takes (B, D, h, w) features")
-    x = _images(build_dataset(cfg.data, split, seed=cfg.run.seed), images)
+    measured = cfg.data
+    if data is not None:
+        from ddcl_vq.train.config import CHOICES
+        if data not in CHOICES["data.name"]:
+            raise EvaluateError(f"--data: expected one of {CHOICES['data.name']}, got {data!r}")
+        measured = dataclasses.replace(cfg.data, name=data)
+    x = _images(build_dataset(measured, split, seed=cfg.run.seed), images)
     z = _features(model, x, batch_size)
     quantizer = model.quantizer
     codebook = quantizer.codebook.detach().float()
@@ -142,7 +151,7 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     flat = rearrange(z, "b d h w -> (b h w) d")
     dist = (flat - rearrange(hard, "b d h w -> (b h w) d")).pow(2).sum(1)
     variance = float((flat - flat.mean(0)).pow(2).sum(1).mean())
-    out = {"run": str(run_dir), "step": step, "split": split, "num_images": len(x),
+    out = {"run": str(run_dir), "step": step, "split": split, "data": measured.name, "num_images": len(x),
            "num_codes": int(codebook.shape[0]),
            "psnr_hard": _psnr(model, x, hard, batch_size),
            "psnr_unquantized": None, "relative_distortion": None, "gap_db": None}
@@ -212,6 +221,8 @@ class GapOptions:
     fit_images: int = option(4000, "training images whose features the Lloyd steps fit")
     lloyd: int = option(3, "hard k-means steps of the codebook (0: skip)")
     split: str = option("test", "the split to measure")
+    data: Optional[str] = option(None, "measure on this dataset instead of the run's own (data.name, e.g. digits "
+                                 "for a Fashion-MNIST run)", metavar="NAME")
     noise: float = option(0.005, "sd of the Gaussian pixel noise (images in [0, 1]) for the token flip rate")
     json: Optional[str] = option(None, "also write the rows as JSON", metavar="FILE")
 
@@ -224,7 +235,7 @@ OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=HELP,
 @entry_point("ddcl-vq gap")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
-    rows = [quantization_gap(r, opts.images, opts.fit_images, opts.lloyd, opts.split, noise=opts.noise)
+    rows = [quantization_gap(r, opts.images, opts.fit_images, opts.lloyd, opts.split, noise=opts.noise, data=opts.data)
             for r in opts.runs]
     print(markdown(rows))
     if opts.json:

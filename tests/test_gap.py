@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from ddcl_vq.eval.evaluate import load_run
+from ddcl_vq.eval.evaluate import EvaluateError, load_run
 from ddcl_vq.eval.gap import duplicate_codes, lloyd_step, main, nearest_codes, quantization_gap
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import build_dataset
@@ -93,3 +93,12 @@ def test_gap_cli_errors_in_one_line(tmp_path, capsys):
     assert "option --images: expected a value > 0" in capsys.readouterr().err
     assert main([str(tmp_path), "--noise", "0"]) == 2
     assert "option --noise: expected a value > 0" in capsys.readouterr().err
+
+
+def test_gap_measures_another_dataset_with_data(runs):
+    own = quantization_gap(runs["ddcl"], images=100, lloyd=0)
+    digits = quantization_gap(runs["ddcl"], images=100, lloyd=0, data="digits")
+    assert own["data"] != "digits" and digits["data"] == "digits"
+    assert digits["psnr_hard"] != pytest.approx(own["psnr_hard"], abs=1e-6)
+    with pytest.raises(EvaluateError, match="--data: expected one of"):
+        quantization_gap(runs["ddcl"], images=100, lloyd=0, data="no_such_data")
