@@ -386,9 +386,10 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         else:
             out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
         commitment = (x - hard).pow(2).sum(1).mean()
-        beta = self.beta
-        if self.beta_final is not None and self.schedule_steps:
-            beta += (self.beta_final - self.beta) * min(1.0, int(self.schedule_step) / self.schedule_steps)
+        beta: Any = self.beta
+        if self.beta_final is not None and self.schedule_steps:  # on the device: no host sync per forward
+            progress = (self.schedule_step.to(commitment.dtype) / self.schedule_steps).clamp(max=1.0)
+            beta = self.beta + (self.beta_final - self.beta) * progress
         loss = beta * commitment / self.dim
         if codebook_loss is not None:
             loss = loss + codebook_loss / self.dim

@@ -32,6 +32,7 @@ is decoded the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,6 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
                      data: Optional[str] = None) -> Dict:
     """The figures described in the module docstring, for one run directory (``data``: measure on
     that dataset's ``split`` instead of the run's own; the Lloyd steps still fit the run's own data)."""
-    import dataclasses
     from ddcl_vq.train.data import build_dataset
     cfg, model, step, _ = load_run(run_dir)
     if model.quantizer.channel_dim != 1:
