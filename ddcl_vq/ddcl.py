@@ -134,11 +134,12 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             readout form; prone to collapse in a VQ-VAE, see docs/results.md).
             ``"soft_straight_through"``: decoder sees w_{k*}, gradients as if it were ẑ.
         beta: commitment weight (``straight_through`` mode only).
-        beta_final: if given, the commitment weight rises linearly from ``beta`` to ``beta_final``
-            over ``schedule_steps`` calls of :meth:`step` (the training length), then stays there: a
-            loose commitment while the autoencoder learns, a tight one at the end, which pulls the
-            features onto their codes (a smaller quantization gap). Off by default while it is
-            measured (docs/screens.md, sixth round).
+        beta_final: the commitment weight rises linearly from ``beta`` to ``beta_final`` (default
+            1.0) over ``schedule_steps`` calls of :meth:`step` (the training length), then stays
+            there: a loose commitment while the autoencoder learns, a tight one at the end, which
+            pulls the features onto their codes (a smaller quantization gap; what it buys:
+            docs/results.md). Without ``schedule_steps`` (a host loop that does not say how long it
+            trains) the weight stays at ``beta``; ``None`` turns the ramp off.
         codebook_init: ``"kmeans"`` (default: k-means on the first training batch, identical on
             every process; when the batch has fewer vectors than codes, repeated seeds are
             separated by a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) as in the
@@ -174,7 +175,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
     def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.03,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
                  schedule_steps: Optional[int] = None, temperature_reference: str = "data",
-                 mode: str = "straight_through", beta: float = 0.25, beta_final: Optional[float] = None,
+                 mode: str = "straight_through", beta: float = 0.25, beta_final: Optional[float] = 1.0,
                  codebook_update: str = "mstep", decay: float = 0.9, revive_threshold: float = 0.03,
                  revive_criterion: str = "usage", revive_twins: bool = False, restart_step: int = 0,
                  encoder_gradient: str = "identity", warmup_steps: int = 100,

@@ -64,6 +64,7 @@ def settings_text(cfg) -> str:
                 + (" + twins" if getattr(q, "revive_twins", False) else "")]
                if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
+            + ([f"β {q.beta:g}→{q.beta_final:g}"] if q.beta_final is not None and q.mode == "straight_through" else []) \
             + (["rotation trick"] if q.encoder_gradient == "rotation" else [])
         return ", ".join([q.mode, tau, codebook] + extra)
     if q.type == "hard":

@@ -1,10 +1,12 @@
-"""The commitment ramp (DDCLQuantizer(beta_final=...)): beta rises linearly to beta_final over
-schedule_steps calls of step(), then stays; bad values are refused; configs carry it."""
+"""The commitment ramp (DDCLQuantizer(beta_final=1.0), the default): beta rises linearly to
+beta_final over schedule_steps calls of step(), then stays; without schedule_steps, or with
+beta_final=None, it is constant; bad values are refused; configs carry it, and a run saved before
+the ramp existed keeps its constant weight."""
 import pytest
 import torch
 
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.train.config import Config
+from ddcl_vq.train.config import Config, load_config
 
 
 def _weights(quantizer, steps):
@@ -19,16 +21,25 @@ def _weights(quantizer, steps):
 
 
 def test_commitment_weight_rises_linearly_then_stays():
-    q = DDCLQuantizer(16, 4, beta=0.25, beta_final=1.0, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()
+    q = DDCLQuantizer(16, 4, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()   # the defaults: 0.25 -> 1
     weights = _weights(q, 13)
     assert weights[0] == pytest.approx(0.25, rel=1e-4)
     assert weights[4] == pytest.approx(0.25 + 0.75 * 0.4, rel=1e-4)
     assert weights[10:] == pytest.approx([1.0] * 3, rel=1e-4)
 
 
-def test_without_beta_final_the_weight_is_constant():
-    q = DDCLQuantizer(16, 4, beta=0.25, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()
+def test_without_beta_final_or_schedule_steps_the_weight_is_constant():
+    q = DDCLQuantizer(16, 4, beta=0.25, beta_final=None, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()
     assert _weights(q, 12) == pytest.approx([0.25] * 12, rel=1e-4)
+    q = DDCLQuantizer(16, 4, beta=0.5, channel_dim=-1, warmup_steps=0).train()   # a host loop's drop-in
+    assert _weights(q, 4) == pytest.approx([0.5] * 4, rel=1e-4)
+
+
+def test_a_run_saved_before_the_ramp_keeps_its_constant_weight(tmp_path):
+    old_run = tmp_path / "config.yaml"
+    old_run.write_text("quantizer: {type: ddcl, codebook_update: mstep, warmup_steps: 100, revive_criterion: usage}\n")
+    assert load_config(old_run, migrate=True).quantizer.beta_final is None   # what it was trained with
+    assert load_config(old_run).quantizer.beta_final == 1.0                  # a user's config: today's default
 
 
 def test_bad_beta_final_is_refused_and_configs_carry_it():
@@ -36,4 +47,5 @@ def test_bad_beta_final_is_refused_and_configs_carry_it():
         DDCLQuantizer(16, 4, beta_final=-1.0)
     cfg = Config.from_dict({"quantizer": {"beta_final": 1.0}})
     assert Config.from_dict(cfg.to_dict()).quantizer.beta_final == 1.0
-    assert "beta=0.25->1" in repr(DDCLQuantizer(16, 4, beta_final=1.0))
+    assert "beta=0.25->1" in repr(DDCLQuantizer(16, 4))
+    assert "beta=0.25," in repr(DDCLQuantizer(16, 4, beta_final=None))

@@ -57,28 +57,30 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
 
 def test_ablation_config_validates_chain_ends_at_the_defaults():
     study = load_study(ABLATION)
-    assert study.seeds == [0] and len(study.arms) == 11
+    assert study.seeds == [0] and len(study.arms) == 12
     assert all(a.name == a.group + "_s0" and a.config.quantizer.num_codes == 1024 for a in study.arms)
     cfg = {a.group: a.config for a in study.arms}
     steps = [(cfg["b_kmeans_init"], cfg["a_first_recipe"]), (cfg["c_mstep_codebook"], cfg["b_kmeans_init"]),
              (cfg["d_data_temperature"], cfg["c_mstep_codebook"]), (cfg["e_revival"], cfg["d_data_temperature"]),
-             (cfg["f_warmup"], cfg["e_revival"]), (cfg["g_sharp_mstep"], cfg["f_warmup"])]
+             (cfg["f_warmup"], cfg["e_revival"]), (cfg["g_sharp_mstep"], cfg["f_warmup"]),
+             (cfg["h_commitment_ramp"], cfg["g_sharp_mstep"])]
     changed = [set(_diff(new, old)) - {"run.name", "run.dir"} for new, old in steps]
     assert changed == [{"quantizer.codebook_init"}, {"quantizer.codebook_update"},
                        {"quantizer.temperature_reference", "quantizer.temperature"}, {"quantizer.revive_threshold"},
-                       {"quantizer.warmup_steps"}, {"quantizer.temperature"}]
+                       {"quantizer.warmup_steps"}, {"quantizer.temperature"}, {"quantizer.beta_final"}]
     assert cfg["f_warmup"].quantizer.temperature == 0.1 and cfg["g_sharp_mstep"].quantizer.temperature == 0.03
     default = Config.from_dict({"quantizer": {"num_codes": 1024}, "train": {"eval_images": 0}})
     base = load_config(ROOT / "configs" / "fashion_ddcl.yaml", ["quantizer.num_codes=1024", "train.eval_images=0"])
-    assert set(_diff(cfg["g_sharp_mstep"], base)) == {"run.name", "run.dir"}  # g = the library default
-    assert _diff(cfg["g_sharp_mstep"], default).keys() <= {"run.name", "run.dir"}
+    assert set(_diff(cfg["h_commitment_ramp"], base)) == {"run.name", "run.dir"}  # h = the library default
+    assert _diff(cfg["h_commitment_ramp"], default).keys() <= {"run.name", "run.dir"}
+    assert cfg["g_sharp_mstep"].quantizer.beta_final is None and cfg["h_commitment_ramp"].quantizer.beta_final == 1.0
     alts = {g: set(_diff(cfg[g], cfg["g_sharp_mstep"])) - {"run.name", "run.dir"} for g in cfg if g.startswith("alt_")}
     assert alts == {"alt_rotation": {"quantizer.encoder_gradient"}, "alt_decay_099": {"quantizer.decay"},
                     "alt_revive_by_mass": {"quantizer.revive_criterion"},
                     "alt_anneal": {"quantizer.temperature", "quantizer.temperature_schedule",
                                    "quantizer.temperature_final"}}
     assert {a.group: a.vs for a in study.arms}["alt_anneal"] == "g_sharp_mstep"
-    assert len(load_study(ABLATION, seeds=[0, 1, 2]).arms) == 33
+    assert len(load_study(ABLATION, seeds=[0, 1, 2]).arms) == 36
 
 
 # --------------------------------------------------------------------------- aggregation (pure functions)
@@ -233,19 +235,21 @@ def test_quick_ablation_in_full(tmp_path, capsys):
     assert study_main(["--config", str(ABLATION), "--quick", "--out", str(out)]) == 0
     # stderr is not a terminal here: progress in plain lines (no carriage-return redraws)
     printed = capsys.readouterr()
-    assert "\r" not in printed.err and "arm 11/11 (100%)" in printed.err
+    assert "\r" not in printed.err and "arm 12/12 (100%)" in printed.err
     assert "g_sharp_mstep_s0: PSNR hard " in printed.out
     assert f"report: {out.absolute() / 'report.md'}" in printed.out
     report = (out / "report.md").read_text()
     assert "## What each change buys" in report
     assert "- `b_kmeans_init` vs `a_first_recipe`: " in report and "- `alt_decay_099` vs `g_sharp_mstep`: " in report
-    assert report.count(" vs `") == 10 and "dB PSNR" in report and "ms/step (" in report
+    assert report.count(" vs `") == 11 and "dB PSNR" in report and "ms/step (" in report
     assert "| e_revival | ddcl | 1024 | straight_through, τ=0.1 (data), M-step, kmeans init, revival 0.03 |" in report
     assert ("| f_warmup | ddcl | 1024 | straight_through, τ=0.1 (data), M-step, kmeans init, revival 0.03, "
             "warm-up 100 |") in report
     assert ("| g_sharp_mstep | ddcl | 1024 | straight_through, τ=0.03 (data), M-step, kmeans init, revival 0.03, "
             "warm-up 100 |") in report
-    assert len((out / "table.csv").read_text().strip().splitlines()) == 1 + 11
+    assert ("| h_commitment_ramp | ddcl | 1024 | straight_through, τ=0.03 (data), M-step, kmeans init, revival 0.03, "
+            "warm-up 100, β 0.25→1 |") in report
+    assert len((out / "table.csv").read_text().strip().splitlines()) == 1 + 12
 
 
 def test_a_moved_run_directory_is_the_same_run_and_another_config_is_an_error(tmp_path):

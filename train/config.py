@@ -273,6 +273,7 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
         quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
         quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
+        quantizer.setdefault("beta_final", None)  # nor a commitment ramp before it existed
     return raw
 
 
