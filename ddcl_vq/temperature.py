@@ -72,7 +72,8 @@ class TemperatureSchedule:
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self.set_schedule(value)
+        # τ becomes constant; the training length stays (other schedules, the commitment ramp, use it)
+        self.set_schedule(value, schedule_steps=getattr(self, "schedule_steps", None))
 
     def step(self) -> None:
         """Advance the temperature schedule by one training step."""

@@ -35,6 +35,12 @@ def test_without_beta_final_or_schedule_steps_the_weight_is_constant():
     assert _weights(q, 4) == pytest.approx([0.5] * 4, rel=1e-4)
 
 
+def test_assigning_the_temperature_keeps_the_ramp():
+    q = DDCLQuantizer(16, 4, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()
+    q.temperature = 0.1
+    assert q.schedule_steps == 10 and _weights(q, 11)[10] == pytest.approx(1.0, rel=1e-4)
+
+
 def test_a_run_saved_before_the_ramp_keeps_its_constant_weight(tmp_path):
     old_run = tmp_path / "config.yaml"
     old_run.write_text("quantizer: {type: ddcl, codebook_update: mstep, warmup_steps: 100, revive_criterion: usage}\n")
