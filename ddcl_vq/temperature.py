@@ -73,7 +73,7 @@ class TemperatureSchedule:
     @temperature.setter
     def temperature(self, value: float) -> None:
         # τ becomes constant; the training length stays (other schedules, the commitment ramp, use it)
-        self.set_schedule(value, schedule_steps=getattr(self, "schedule_steps", None))
+        self.set_schedule(value, schedule_steps=self.schedule_steps)
 
     def step(self) -> None:
         """Advance the temperature schedule by one training step."""
