@@ -280,6 +280,71 @@ def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
         export_diffusers(run, tmp_path / "hf")
 
 
+def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_code(tmp_path, capsys):
+    """Issue 40, item 1: an FSQ VQGAN exported to diffusers was another model (its nearest-code search agreed
+    on 5% of codes) and the command exited 0; now refused up front, nothing written."""
+    from ddcl_vq.eval.tokens import export as export_cmd
+    from ddcl_vq.train.loop import train
+
+    run = tmp_path / "run"
+    train(load_config(None, TINY + ["quantizer.type=fsq", "quantizer.num_codes=256", "train.steps=1",
+                                    f"run.dir={run}"]), quiet=True)
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert export_cmd.main([str(run), str(out), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddcl-vq export: error: ") and "nearest codebook row" in err[0], err
+    assert "fsq" in err[0] and "--format ddcl-vq" in err[0]
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["run"]  # no staging folder left
+
+
+def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
+    """Issue 40, item 1: the agreement check counts every position where diffusers' nearest-code search picks
+    another code than the run, unless both codes are at the same distance (a tie up to float32 rounding)."""
+    from ddcl_vq.eval.tokens.export_diffusers import untied_disagreements
+
+    codebook = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
+    z = torch.tensor([[1.0, 0.0], [0.1, 0.0], [0.0, 2.9]])  # a tie between codes 0 and 1, then codes 0 and 2
+    latents = z.T.reshape(1, 2, 1, 3)  # (B, D, h, w)
+    theirs = torch.tensor([[[0, 0, 2]]])  # diffusers' picks
+    assert untied_disagreements(latents, codebook, theirs, theirs) == 0
+    assert untied_disagreements(latents, codebook, torch.tensor([[[1, 0, 2]]]), theirs) == 0  # the tie
+    assert untied_disagreements(latents, codebook, torch.tensor([[[1, 1, 0]]]), theirs) == 2
+    near_tie = latents.clone()
+    near_tie[0, 0, 0, 0] = 1.0 + 1e-7  # within float32 rounding of the tie
+    assert untied_disagreements(near_tie, codebook, torch.tensor([[[1, 0, 2]]]), theirs) == 0
+
+
+def test_export_overwrite_leaves_one_model_and_files_readable_like_any_other(tmp_path):
+    """Issue 40, rough edge: export --format diffusers --overwrite over an earlier export left its
+    model.safetensors beside the new weights, and diffusers' weights were written 0600."""
+    from ddcl_vq.eval.tokens import export as export_cmd
+    from ddcl_vq.train.loop import train
+
+    run = tmp_path / "run"
+    train(load_config(None, TINY + ["train.steps=1", f"run.dir={run}"]), quiet=True)
+    out = tmp_path / "out"
+    mode = 0o666 & ~_umask()
+    assert export_cmd.main([str(run), str(out), "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert export_cmd.main([str(run), str(out), "--format", "diffusers", "--overwrite", "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "diffusion_pytorch_model.safetensors"]
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: mode for p in out.iterdir()}
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~_umask()
+    assert export_cmd.main([str(run), str(out), "--overwrite", "--quiet"]) == 0  # and back
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    fresh = tmp_path / "fresh"
+    assert export_cmd.main([str(run), str(fresh), "--format", "diffusers", "--quiet"]) == 0
+    assert {p.name: p.stat().st_mode & 0o777 for p in fresh.iterdir()} == {p.name: mode for p in fresh.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "out", "run"]  # no staging folder left
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_image_folder_crop_flip_is_seeded_by_epoch_and_index(tmp_path):
     """data.augment=crop_flip: train images are random-resized crops + flips drawn from (seed, epoch, index)
     — the same with or without workers and after a resume; other epochs other crops; test: centre crop."""

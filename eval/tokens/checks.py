@@ -3,7 +3,11 @@ plain diffusers ``VQModel`` folder): the error they raise and the fixed batch th
 checked on before the command returns."""
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -12,6 +16,44 @@ from ddcl_vq.train.errors import UserError
 
 class ExportError(UserError, RuntimeError):
     """The run cannot be exported as asked (output folder in the way, upload failed, ...)."""
+
+
+#: the files each export format writes into OUT_DIR; an export that replaces an earlier one
+#: (``--overwrite``) removes the files of the other format, so one folder never holds two models
+EXPORT_FILES = {"ddcl-vq": ("config.json", "model.safetensors", "README.md"),
+                "diffusers": ("config.json", "diffusion_pytorch_model.safetensors", "README.md")}
+
+
+def umask() -> int:
+    """The process's file-creation mask (read without changing it for good)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def staging_folder(out_dir: Path) -> Path:
+    """A new hidden folder beside ``out_dir`` to write and check an export in before it is moved into place
+    (a full disk or a failed check then leaves OUT_DIR as it was)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+
+
+def move_into_place(staging: Path, out_dir: Path, files: Sequence[str]) -> None:
+    """Move the checked export ``files`` from ``staging`` into ``out_dir``, readable like any file the
+    user writes (mkdtemp and some writers use 0700 / 0600); over an earlier export, the other format's
+    files are removed."""
+    mask = umask()
+    os.chmod(staging, 0o777 & ~mask)  # an export is for sharing
+    for name in files:
+        os.chmod(staging / name, 0o666 & ~mask)
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    for name in files:
+        os.replace(staging / name, out_dir / name)
+    stale = {name for names in EXPORT_FILES.values() for name in names} - set(files)
+    for name in sorted(stale):
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def check_inputs(model, cfg) -> torch.Tensor:

@@ -10,10 +10,8 @@ reproduces the run's hard reconstructions and indices bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -24,7 +22,7 @@ from safetensors import SafetensorError
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, option
 
-from .checks import ExportError, check_inputs as _check_inputs
+from .checks import EXPORT_FILES, ExportError, check_inputs as _check_inputs, move_into_place, staging_folder
 
 HELP = """\
 Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
@@ -42,7 +40,7 @@ package installed where it is loaded.
   ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl --push-to-hub me/fashion-ddcl-vq
 """
 
-FILES = ("config.json", "model.safetensors", "README.md")
+FILES = EXPORT_FILES["ddcl-vq"]
 
 
 @dataclass(kw_only=True)
@@ -125,8 +123,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
     x = _check_inputs(model, cfg)
     # written into a hidden folder beside OUT_DIR, checked there, then moved into place: a full
     # disk or a failed check leaves OUT_DIR as it was (not created, or its earlier files)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    staging = staging_folder(out_dir)
     try:
         try:
             model.save_pretrained(staging)
@@ -142,23 +139,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
                 and torch.equal(model.encode_indices(x), loaded.encode_indices(x)))
         if not same:  # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"the export in {out_dir} does not reproduce the run's hard reconstructions")
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export is for sharing
-        if not out_dir.exists():
-            os.rename(staging, out_dir)
-        else:
-            for name in FILES:
-                os.replace(staging / name, out_dir / name)
+        move_into_place(staging, out_dir, FILES)  # 0755 / 0644 under the usual umask; a diffusers export's files go
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
             "train_steps": cfg.train.steps, "quantizer_type": config["quantizer_type"],
             "checked_images": int(x.shape[0]), "files": {name: (out_dir / name).stat().st_size for name in FILES}}
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def push(out_dir: str | Path, repo_id: str, private: bool = False, files=FILES) -> str:

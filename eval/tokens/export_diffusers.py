@@ -12,23 +12,34 @@ and torch only — no ddcl-vq::
     images = vq.decode(quant, force_not_quantize=True).sample          # the same as ddcl-vq's decode_indices
     # or end to end: vq(images).sample (diffusers' own nearest-code search: the same codes up to exact ties)
 
-Before returning, the command loads the folder with ``VQModel.from_pretrained`` and checks that it
-decodes the run's hard codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (max
-absolute difference, images in [0, 1]; the same modules and weights, so 0 is what is measured on
-one machine), and reports how many of the codes diffusers' own encoder + nearest-code search picks
-agree with the run's.
+Only a quantizer whose hard index is the nearest codebook row (``Quantizer.assigns_nearest_code``)
+can be exported so: diffusers' VQModel encodes by nearest-code search, so FSQ, LFQ (a rounded
+projection) or IBQ with dot-product logits would load as a model that encodes other codes; they are
+refused up front. The folder is written into a hidden folder beside OUT_DIR and checked there
+before it is moved into place: loaded with ``VQModel.from_pretrained``, it must decode the run's hard
+codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (max absolute difference,
+images in [0, 1]; the same modules and weights, so 0 is what is measured on one machine), and
+diffusers' own encoder + nearest-code search must pick the run's codes wherever they are not ties
+(both codes at the same distance up to float32 rounding, :data:`TIE_RTOL`); otherwise nothing is
+written and the command fails. The agreement is reported.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 
+from .checks import EXPORT_FILES
+
 #: the largest max |difference| allowed between the run's and the exported VQModel's decoded images
 DECODE_ATOL = 1e-5
-FILES = ("config.json", "diffusion_pytorch_model.safetensors", "README.md")
+#: two codes are tied for a latent vector when their squared distances to it differ by at most this
+#: fraction of |z|^2 + |w_a|^2 + |w_b|^2 (float32 rounding of z^2 + w^2 - 2 z.w, with room to spare)
+TIE_RTOL = 1e-5
+FILES = EXPORT_FILES["diffusers"]
 
 
 def _error(message: str) -> Exception:
@@ -56,6 +67,23 @@ def decode_with_vqmodel(vq, indices: torch.Tensor) -> torch.Tensor:
     return vq.decode(quant, force_not_quantize=True).sample
 
 
+def untied_disagreements(latents: torch.Tensor, codebook: torch.Tensor, ours: torch.Tensor,
+                         theirs: torch.Tensor) -> int:
+    """How many latent positions get another code from diffusers' nearest-code search (``theirs``) than
+    from the run (``ours``) without being a tie (:data:`TIE_RTOL`). ``latents``: (B, D, h, w), what
+    diffusers' quantizer searches with; ``codebook``: (K, D); ``ours``, ``theirs``: (B, h, w) indices."""
+    z = latents.detach().permute(0, 2, 3, 1).reshape(-1, latents.shape[1]).double()
+    cb = codebook.detach().double()
+    o, t = ours.reshape(-1), theirs.reshape(-1)
+    differ = o != t
+    if not bool(differ.any()):
+        return 0
+    z, o, t = z[differ], o[differ], t[differ]
+    d_ours, d_theirs = ((z - cb[o]) ** 2).sum(1), ((z - cb[t]) ** 2).sum(1)
+    scale = (z ** 2).sum(1) + (cb[o] ** 2).sum(1) + (cb[t] ** 2).sum(1)
+    return int(((d_ours - d_theirs).abs() > TIE_RTOL * scale).sum())
+
+
 def model_card(config: Dict, source: Dict, check: Dict) -> str:
     size = config["sample_size"]
     lines = ["---", "library_name: diffusers", "tags:", "- vq-vae", "- vqgan", "- image-tokenizer", "- ddcl", "---", "",
@@ -80,13 +108,18 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
 
     from ddcl_vq.eval.evaluate import load_run
 
-    from .checks import check_inputs as _check_inputs
+    from .checks import check_inputs as _check_inputs, move_into_place, staging_folder
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
     if getattr(cfg.model, "arch", "vqvae") != "vqgan":
         raise _error(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel encoder/decoder); "
                      f"{str(run_dir)!r} is a {cfg.model.arch} run: export it with --format ddcl-vq")
+    if not model.quantizer.assigns_nearest_code:
+        raise _error(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row (diffusers' "
+                     f"VQModel encodes by nearest-code search); the {cfg.quantizer.type} quantizer's index is not "
+                     f"(e.g. a rounded projection), so the exported VQModel would encode other codes than the run: "
+                     f"export it with --format ddcl-vq")
     if out_dir.exists() and not out_dir.is_dir():
         raise _error(f"{str(out_dir)!r} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -102,27 +135,40 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                      f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
 
     vq = to_vqmodel(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vq.save_pretrained(str(out_dir), safe_serialization=True)
-
-    # the check: the folder, loaded by diffusers alone, decodes the run's hard codes to the run's images
     x = _check_inputs(model, cfg)
-    loaded = VQModel.from_pretrained(str(out_dir)).eval()
-    with torch.no_grad():
-        indices = model.encode_indices(x)
-        ours = model.decode_indices(indices)
-        theirs = decode_with_vqmodel(loaded, indices)
-        diff = float((ours - theirs).abs().max())
-        _, _, (_, _, their_indices) = loaded.quantize(loaded.encode(x).latents)
-    agreement = float((their_indices.reshape(indices.shape) == indices).float().mean())
-    if not diff <= DECODE_ATOL:  # pragma: no cover - a bug, not a user error
-        raise RuntimeError(f"the diffusers export in {out_dir} decodes the run's codes with max |difference| {diff:g} "
-                           f"> {DECODE_ATOL:g}")
-    check = {"max_abs_diff": diff, "index_agreement": agreement, "checked_images": int(x.shape[0]),
-             "tolerance": DECODE_ATOL}
-    source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}
-    config = json.loads((out_dir / "config.json").read_text())
-    (out_dir / "README.md").write_text(model_card(config, source, check))
+    staging = staging_folder(out_dir)  # checked there, then moved into place: a failed check leaves OUT_DIR as it was
+    try:
+        vq.save_pretrained(str(staging), safe_serialization=True)
+
+        # the check: the folder, loaded by diffusers alone, decodes the run's hard codes to the run's images
+        # and encodes the run's codes (up to ties)
+        loaded = VQModel.from_pretrained(str(staging)).eval()
+        with torch.no_grad():
+            indices = model.encode_indices(x)
+            ours = model.decode_indices(indices)
+            theirs = decode_with_vqmodel(loaded, indices)
+            diff = float((ours - theirs).abs().max())
+            latents = loaded.encode(x).latents
+            _, _, (_, _, their_indices) = loaded.quantize(latents)
+        their_indices = their_indices.reshape(indices.shape)
+        agreement = float((their_indices == indices).float().mean())
+        if not diff <= DECODE_ATOL:  # pragma: no cover - a bug, not a user error
+            raise RuntimeError(f"the diffusers export of {run_dir} decodes the run's codes with max |difference| "
+                               f"{diff:g} > {DECODE_ATOL:g}")
+        untied = untied_disagreements(latents, loaded.quantize.embedding.weight, indices, their_indices)
+        if untied:
+            raise _error(f"the diffusers export of {str(run_dir)!r} would be another model: diffusers' nearest-code "
+                         f"search picks other codes than the run at {untied} of {indices.numel()} latent positions "
+                         f"that are not ties ({agreement:.2%} agree); nothing was written to {str(out_dir)!r}; "
+                         f"export it with --format ddcl-vq")
+        check = {"max_abs_diff": diff, "index_agreement": agreement, "checked_images": int(x.shape[0]),
+                 "tolerance": DECODE_ATOL}
+        source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}
+        config = json.loads((staging / "config.json").read_text())
+        (staging / "README.md").write_text(model_card(config, source, check))
+        move_into_place(staging, out_dir, FILES)  # 0644 files (diffusers writes its weights 0600)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
             "quantizer_type": cfg.quantizer.type, **check,
             "files": {name: (out_dir / name).stat().st_size for name in FILES if (out_dir / name).exists()}}
