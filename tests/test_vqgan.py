@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from ddcl_vq.train import losses
 from ddcl_vq.train.builders import build_model
-from ddcl_vq.train.config import ConfigError, LossConfig, load_config
+from ddcl_vq.train.config import ConfigError, LossConfig, dump_config, load_config
 
 TINY = ["model.arch=vqgan", "model.ch=16", "model.ch_mult=[1,2]", "model.num_res_blocks=1",
         "model.attn_resolutions=[16]", "model.z_channels=8", "model.latent_dim=8", "model.norm_groups=8",
@@ -180,6 +181,48 @@ def test_config_checks():
         load_config(None, ["loss.disc_wieght=1"])
     with pytest.raises(ConfigError):
         load_config(None, ["loss.disc_loss=wgan"])
+
+
+def test_a_training_that_would_learn_nothing_or_leave_a_part_out_is_refused(tmp_path, capsys, monkeypatch):
+    """Issue 40, item 5 and a rough edge: every loss weight 0 trained (loss_rec 0 forever); a discriminator
+    that starts after the last step and attention at a resolution the VQGAN does not have were silent."""
+    from ddcl_vq.train.cli import main as train_main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    run = tmp_path / "run"
+    argv = ["--config", "configs/vqgan_photos64.yaml", "model.ch=16", "train.steps=4", "data.batch_size=2",
+            "data.image_size=32", "data.patches_per_image=20", "quantizer.num_codes=32", "train.eval_images=4",
+            "train.threads=1", "loss.disc_start=2", f"run.dir={run}"]
+    capsys.readouterr()
+    assert train_main(argv + ["loss.pixel_weight=0", "loss.perceptual_weight=0", "loss.disc_weight=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddcl-vq train: error: config keys 'loss.pixel_weight' and "
+                                               "'loss.perceptual_weight' are both 0"), err
+    assert not run.exists()
+    with pytest.raises(ConfigError, match="adaptive weight is 0"):  # the discriminator alone cannot either
+        load_config(None, TINY + ["loss.pixel_weight=0", "loss.disc_weight=0.8", "loss.disc_start=0"])
+    load_config(None, TINY + ["loss.pixel_weight=0", "loss.perceptual_weight=1"])  # LPIPS alone is a loss
+
+    with pytest.raises(ConfigError, match=r"config key 'loss.disc_start': 4 is not before train.steps=4"):
+        load_config(None, TINY + ["loss.disc_weight=0.8", "loss.disc_start=4", "train.steps=4"])
+    load_config(None, TINY + ["loss.disc_weight=0.8", "loss.disc_start=3", "train.steps=4"])
+    load_config(None, TINY + ["loss.disc_weight=0", "loss.disc_start=4", "train.steps=4"])  # no discriminator
+
+    with pytest.raises(ConfigError, match=r"config key 'model.attn_resolutions': \[8\] match no level of the VQGAN "
+                                          r"\(its blocks work at \[32, 16\] pixels"):
+        load_config(None, TINY + ["model.attn_resolutions=[16,8]"])
+    load_config(None, TINY + ["model.attn_resolutions=[]"])
+    load_config(None, TINY + ["model.attn_resolutions=[32,16]"])
+    load_config(None, TINY + ["model.arch=vqvae", "model.attn_resolutions=[8]"])  # not a VQGAN: unused
+
+    # a run's saved config is read to evaluate or export it, whatever its training did
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(load_config(None, TINY + ["loss.disc_weight=0.8", "loss.disc_start=3",
+                                                          "train.steps=4"])).replace(
+        "disc_start: 3", "disc_start: 9"))
+    assert load_config(saved, migrate=True).loss.disc_start == 9
+    with pytest.raises(ConfigError, match="loss.disc_start"):
+        load_config(saved)
 
 
 # --------------------------------------------------------------------------- training, resume, export

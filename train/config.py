@@ -197,10 +197,14 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: Dict[str, Any]) -> "Config":
+    def from_dict(cls, raw: Dict[str, Any], *, saved: bool = False) -> "Config":
+        """``saved``: a run's resolved config.yaml, read to evaluate, export or compare the run (the checks
+        of what a training would do, :func:`validate_training`, are left out: it has trained)."""
         cfg = cls()
         apply(cfg, raw or {}, candidates=all_keys(), unknown=_unknown_key)
         validate(cfg)
+        if not saved:
+            validate_training(cfg)
         return cfg
 
 
@@ -314,6 +318,31 @@ def validate(cfg: Config) -> None:
                               f"{cfg.quantizer.type!r}")
 
 
+def validate_training(cfg: Config) -> None:
+    """What a training of ``cfg`` would do, beyond each value's own range: refuse settings with which it
+    would learn nothing or silently leave a part out (a loss with no reconstruction term, a discriminator
+    that never switches on, attention at a resolution the VQGAN does not have)."""
+    lc, m = cfg.loss, cfg.model
+    if lc.pixel_weight == 0 and lc.perceptual_weight == 0:
+        extra = (" (and loss.disc_weight alone cannot: its adaptive weight is 0 without a reconstruction loss)"
+                 if lc.disc_weight > 0 and lc.adaptive_weight else "")
+        raise ConfigError(f"config keys 'loss.pixel_weight' and 'loss.perceptual_weight' are both 0 (loss.disc_weight "
+                          f"{lc.disc_weight:g}): no loss compares the reconstruction with the image, so the model "
+                          f"would learn nothing{extra}; set loss.pixel_weight > 0 (1.0 is the default)")
+    if lc.disc_weight > 0 and lc.disc_start >= cfg.train.steps:
+        raise ConfigError(f"config key 'loss.disc_start': {lc.disc_start} is not before train.steps="
+                          f"{cfg.train.steps}, so the discriminator would never switch on; set loss.disc_start below "
+                          "train.steps (the recipe switches it on halfway) or loss.disc_weight=0")
+    if m.arch == "vqgan":
+        levels = [cfg.data.image_size // 2 ** i for i in range(len(m.ch_mult))]
+        missing = [r for r in m.attn_resolutions if r not in levels]
+        if missing:
+            raise ConfigError(f"config key 'model.attn_resolutions': {missing} match no level of the VQGAN (its "
+                              f"blocks work at {levels} pixels for data.image_size={cfg.data.image_size} and "
+                              f"model.ch_mult={list(m.ch_mult)}), so no attention would be added there; list some "
+                              "of those, or [] for attention only in the middle block")
+
+
 def _validate_vqgan(cfg: Config) -> None:
     """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups;
     the loss section's discriminator fits the images."""
@@ -380,7 +409,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         raw = read_yaml(path, "config file")
         if migrate:
             raw = migrate_renamed(raw)
-    return Config.from_dict(apply_overrides(raw, overrides))
+    return Config.from_dict(apply_overrides(raw, overrides), saved=migrate)
 
 
 def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:

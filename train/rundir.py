@@ -153,7 +153,7 @@ def saved_config(state: Dict[str, Any], run_dir: Path) -> Optional[Config]:
     raw = state.get("config")
     try:
         if isinstance(raw, dict):
-            return Config.from_dict(migrate_renamed(raw))
+            return Config.from_dict(migrate_renamed(raw), saved=True)
         if (run_dir / "config.yaml").is_file():
             return load_config(run_dir / "config.yaml", migrate=True)
     except ConfigError as err:

@@ -45,7 +45,7 @@ def evaluated_config(arm: Arm, part: Part):
     """The arm's config as its held-out evaluation reads it (the part's eval_overrides applied)."""
     from ddcl_vq.train.config import Config, apply_overrides
 
-    return Config.from_dict(apply_overrides(arm.config.to_dict(), part.eval_overrides))
+    return Config.from_dict(apply_overrides(arm.config.to_dict(), part.eval_overrides), saved=True)
 
 
 def heldout_eval(arm: Arm, part: Part, study: Study) -> Dict:
