@@ -142,6 +142,20 @@ def load_weights(model: torch.nn.Module, weights: str, strict: bool = True, devi
         detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)[:300]
         raise ValueError(f"the weights {weights!r} do not fit the model config.json describes (another number of "
                          f"codes, channels or quantizer? the two files must come from one export): {detail}") from None
+    check_finite(model, weights)
+
+
+def check_finite(model: torch.nn.Module, weights: str) -> None:
+    """A ValueError when a floating-point weight or buffer of the loaded ``model`` is NaN or Inf (a damaged
+    file, or a training that diverged): such a model would load and decode without a word."""
+    bad = [(name, int((~torch.isfinite(t)).sum()), t.numel()) for name, t in model.state_dict().items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        name, count, total = bad[0]
+        more = f", and {len(bad) - 1} other tensor{'s' if len(bad) > 2 else ''}" if len(bad) > 1 else ""
+        raise ValueError(f"the weights {weights!r} hold values that are not finite (NaN or Inf): {count} of {total} "
+                         f"in {name}{more}; the file is damaged or its training diverged: export a healthy "
+                         "checkpoint")
 
 
 def latent_grid(config: Optional[Dict[str, Any]]) -> Optional[Tuple[int, int]]:

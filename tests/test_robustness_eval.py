@@ -389,3 +389,139 @@ def test_export_and_evaluate_of_an_unfinished_run_say_so_quietly(run, tmp_path, 
     assert "does not exist" not in err and "trying an older checkpoint" not in err
     assert cli.main(["export", str(run), str(tmp_path / "exp2"), "--quiet"]) == 0
     assert "warning:" not in capsys.readouterr().err  # a finished run: no warning
+
+
+# --------------------------------------------------------------------------- issue 40: token files and exports
+
+def test_a_safetensors_token_file_without_indices_is_refused(run, exported, tmp_path, capsys):
+    """Item 6: a .safetensors file holding only 'labels' was decoded (labels as codes) and read by prior train
+    as a code map."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "labels_only.safetensors"
+    save_file({"labels": np.arange(64, dtype=np.int64) % 10}, str(path))  # 64 values < K: one 8x8 "map"
+    assert cli.main(["decode", str(exported), str(path), "--out", str(tmp_path / "g.png")]) == 2
+    line = one_error_line(capsys, "decode")
+    assert f"token file '{path}' has no 'indices' tensor (it holds 'labels')" in line, line
+    assert cli.main(["prior", "train", str(run), "--tokens", str(path), f"run.dir={tmp_path / 'prior'}",
+                     "train.steps=1", "--quiet"]) == 2
+    assert "has no 'indices' tensor" in one_error_line(capsys, "prior train")
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_decode_of_maps_with_a_zero_size_side_is_one_line(exported, tmp_path, capsys):
+    """Item 9: np.zeros((4, 0, 8)) ended in a raw RuntimeError."""
+    for shape in ((4, 0, 8), (4, 8, 0)):
+        path = tmp_path / "empty_side.npy"
+        np.save(path, np.zeros(shape, np.uint8))
+        assert cli.main(["decode", str(exported), str(path), "--out", str(tmp_path / "g.png")]) == 2
+        line = one_error_line(capsys, "decode")
+        assert f"expected index maps of at least 1x1 codes, got maps of {shape[1]}x{shape[2]}" in line, line
+    assert not (tmp_path / "g.png").exists()
+
+
+def _poison(name_filter, row: bool, value: float):
+    def poison(folder: Path):
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(str(folder / "model.safetensors"))
+        name = next(k for k, t in tensors.items() if name_filter(k, t))
+        if row:
+            tensors[name][0] = value
+        else:
+            tensors[name].view(-1)[0] = value
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return name
+    return poison
+
+
+def test_an_export_with_non_finite_weights_is_refused_on_load(exported, tmp_path, capsys):
+    """Rough edge: an export with a NaN codebook row or an Inf decoder weight loaded and decoded with rc 0."""
+    from ddcl_vq.eval.tokens.decode import decode_indices
+
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.zeros((2, 8, 8), dtype=np.uint8))
+    cases = {"nan codebook row": _poison(lambda k, t: k == "quantizer.weight", True, float("nan")),
+             "inf decoder weight": _poison(lambda k, t: k.startswith("decoder.") and t.is_floating_point(), False,
+                                           float("inf"))}
+    for case, poison in cases.items():
+        folder = tmp_path / case.replace(" ", "_")
+        shutil.copytree(exported, folder)
+        name = poison(folder)
+        assert cli.main(["decode", str(folder), str(tokens), "--out", str(tmp_path / "g.png")]) == 2
+        line = one_error_line(capsys, "decode")
+        assert "hold values that are not finite (NaN or Inf)" in line and f" in {name}" in line, (case, line)
+        with pytest.raises(ValueError, match="not finite"):
+            VQVAE.from_pretrained(str(folder))
+    assert not (tmp_path / "g.png").exists()
+    model = VQVAE.from_pretrained(str(exported))  # the healthy export still loads and decodes
+    assert decode_indices(model, np.zeros((1, 8, 8), np.uint8)).isfinite().all()
+
+
+def test_tokenize_replaces_an_existing_file_only_with_overwrite(run, exported, tmp_path, capsys):
+    """Rough edge: tokenize --out EXISTING silently replaced a token file and its labels; a file in the way of
+    --out's folder ended, after the work, in a bare 'File exists'."""
+    out = tmp_path / "t.npy"
+    base = ["tokenize", str(run), "--split", "test", "--max-images", "8", "--quiet"]
+    assert cli.main(base + ["--out", str(out)]) == 0
+    before = (out.read_bytes(), (tmp_path / "t.labels.npy").read_bytes())
+    assert cli.main(base[:-2] + ["4", "--quiet", "--out", str(out)]) == 2
+    assert one_error_line(capsys, "tokenize").endswith(
+        f"--out '{out}' exists; pass --overwrite to replace it (and its labels t.labels.npy)")
+    assert (out.read_bytes(), (tmp_path / "t.labels.npy").read_bytes()) == before
+    assert cli.main(base[:-2] + ["4", "--quiet", "--out", str(out), "--overwrite"]) == 0
+    assert np.load(out).shape[0] == 4 and np.load(tmp_path / "t.labels.npy").shape == (4,)
+
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("not a folder")
+    expected = f"'{in_the_way}' is a file, not a folder"
+    for prog, argv in (("tokenize", base + ["--out", str(in_the_way / "x.npy")]),
+                       ("decode", ["decode", str(exported), str(out), "--out", str(in_the_way / "g.png")]),
+                       ("export", ["export", str(run), str(in_the_way / "exp")])):
+        assert cli.main(argv) == 2
+        line = one_error_line(capsys, prog)
+        assert expected in line and "File exists" not in line, line
+    (tmp_path / "folder.npy").mkdir()
+    assert cli.main(base + ["--out", str(tmp_path / "folder.npy"), "--overwrite"]) == 2
+    assert f"--out '{tmp_path / 'folder.npy'}' is a folder" in one_error_line(capsys, "tokenize")
+
+
+@pytest.fixture(scope="module")
+def colour_folder(tmp_path_factory):
+    """A tiny image folder of 32x32 colour images (train/ and test/)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("folder")
+    g = np.random.default_rng(0)
+    for split in ("train", "test"):
+        (root / split / "a").mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray((g.random((32, 32, 3)) * 255).astype(np.uint8)).save(root / split / "a" / f"{i}.png")
+    return root
+
+
+def test_tokenize_of_an_image_folder_export_says_the_export_does_not_record_the_root(colour_folder, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """Rough edge: tokenize of an image-folder export without data.root gave no hint that the export does not
+    record where the folder is."""
+    run = tmp_path / "run"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["data.name=image_folder", f"data.root={colour_folder}",
+                                                                 "data.image_size=32", "data.batch_size=4",
+                                                                 "train.steps=1", f"run.dir={run}"]), quiet=True)
+    export_run(run, tmp_path / "exp")
+    monkeypatch.chdir(tmp_path)  # no ./data here
+    argv = ["tokenize", str(tmp_path / "exp"), "--split", "test", "--quiet"]
+    assert cli.main(argv + ["--out", "t.npy"]) == 2
+    line = one_error_line(capsys, "tokenize")
+    assert "image_folder" in line and "an export records its dataset's name and image size, not where an image " \
+                                      "folder is: pass data.root=" in line, line
+    assert cli.main(argv + ["--out", "t.npy", f"data.root={colour_folder}"]) == 0
+    assert np.load(tmp_path / "t.npy").shape[0] == 8
+
+
+def test_a_run_evaluated_on_images_of_other_channels_says_so(run, colour_folder, tmp_path, capsys):
+    """Rough edge: a 1-channel run evaluated on a 3-channel folder blamed 'another number of codes'."""
+    assert cli.main(["evaluate", str(run), "--out", str(tmp_path / "e"), "data.name=image_folder",
+                     f"data.root={colour_folder}"]) == 2
+    line = one_error_line(capsys, "evaluate")
+    assert "holds a model of 1-channel images, the model built from the config takes 3-channel images" in line
+    assert "number of codes" not in line

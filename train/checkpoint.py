@@ -122,10 +122,31 @@ def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model
     try:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as err:
+        channels = _image_channels(target, state)
+        if channels is not None:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds a model of {channels[0]}-channel images, the "
+                                  f"{what} built from the config takes {channels[1]}-channel images (data.* names "
+                                  f"other images than it was trained on); use {channels[0]}-channel images") from None
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)[:300]
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the {what} built from the config "
                               f"(another number of codes, latent size or quantizer?): {detail}") from None
+
+
+def _image_channels(target: Any, state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+    """(the checkpoint's, the model's) image channels when that is how they differ: the model's first
+    convolution (its encoder's input) has another number of input channels and the same other sizes."""
+    if not isinstance(target, torch.nn.Module):
+        return None
+    own = target.state_dict()
+    first = next((name for name, t in own.items() if t.ndim == 4), None)
+    saved = state.get(first) if first is not None else None
+    if not isinstance(saved, torch.Tensor) or saved.ndim != 4:
+        return None
+    a, b = tuple(saved.shape), tuple(own[first].shape)
+    if a[1] != b[1] and a[:1] + a[2:] == b[:1] + b[2:]:
+        return a[1], b[1]
+    return None
 
 
 def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:

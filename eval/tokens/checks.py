@@ -31,6 +31,13 @@ def umask() -> int:
     return mask
 
 
+def check_parents(out_dir: Path) -> None:
+    """Before any work: an ExportError when a file stands where a folder above ``out_dir`` must be."""
+    blocking = next((p for p in out_dir.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ExportError(f"OUT_DIR {str(out_dir)!r} cannot be written: {str(blocking)!r} is a file, not a folder")
+
+
 def staging_folder(out_dir: Path) -> Path:
     """A new hidden folder beside ``out_dir`` to write and check an export in before it is moved into place
     (a full disk or a failed check then leaves OUT_DIR as it was)."""

@@ -23,7 +23,7 @@ from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, Rules, option
 from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
-from .files import TokenFileError, read_tokens
+from .files import TokenFileError, check_out, read_tokens
 
 HELP = """\
 Decode code indices into images and save them as one PNG grid, so you can look at what a prior
@@ -93,6 +93,9 @@ def as_maps(indices: np.ndarray, grid: Optional[Tuple[int, int]] = None,
 def check_indices(indices: np.ndarray, num_codes: int, latent_shape: Optional[tuple] = None) -> np.ndarray:
     """(N, h, w) integer indices in [0, K) (layouts as :func:`as_maps`), or a UserError saying what is wrong."""
     indices = as_maps(indices, latent_shape)
+    if 0 in indices.shape[1:]:
+        raise TokenFileError(f"expected index maps of at least 1x1 codes, got maps of {indices.shape[1]}x"
+                             f"{indices.shape[2]} (shape {tuple(indices.shape)})")
     if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= num_codes):
         raise TokenFileError(f"expected indices in [0, {num_codes}) for this model's K = {num_codes}, "
                              f"got values in [{int(indices.min())}, {int(indices.max())}]")
@@ -151,6 +154,7 @@ def decode_file(model_source: str | Path, tokens: str | Path, out: str | Path, s
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise TokenFileError(f"expected --out to end in .png, got {str(out)!r}")
+    check_out(out, "--out")  # a folder in its place, or a file in the way of its folder: before any work
     indices, _, metadata = read_tokens(tokens)
     model = load_model(model_source)
     check_metadata(metadata, model, tokens)

@@ -22,7 +22,8 @@ from safetensors import SafetensorError
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, option
 
-from .checks import EXPORT_FILES, ExportError, check_inputs as _check_inputs, move_into_place, staging_folder
+from .checks import (EXPORT_FILES, ExportError, check_inputs as _check_inputs, check_parents, move_into_place,
+                     staging_folder)
 
 HELP = """\
 Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
@@ -102,6 +103,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
     cfg, model, step, ckpt = load_run(run_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{str(out_dir)!r} exists and is not a folder")
+    check_parents(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
     if out_dir.resolve() == run_dir.resolve():

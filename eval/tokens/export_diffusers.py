@@ -108,7 +108,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
 
     from ddcl_vq.eval.evaluate import load_run
 
-    from .checks import check_inputs as _check_inputs, move_into_place, staging_folder
+    from .checks import check_inputs as _check_inputs, check_parents, move_into_place, staging_folder
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
@@ -122,6 +122,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                      f"export it with --format ddcl-vq")
     if out_dir.exists() and not out_dir.is_dir():
         raise _error(f"{str(out_dir)!r} exists and is not a folder")
+    check_parents(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise _error(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
     if out_dir.resolve() == run_dir.resolve():

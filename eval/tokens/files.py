@@ -3,7 +3,8 @@
 ``.npy``: FILE holds the indices (N, h, w); the labels, when the dataset has them, go to
 ``<FILE without .npy>.labels.npy`` (N,) int64. Read with ``numpy.load``.
 
-``.safetensors``: tensors ``indices`` (N, h, w) and ``labels`` (N,) int64 (when present), and
+``.safetensors``: tensors ``indices`` (N, h, w) (required: a file without it is refused, whatever
+else it holds) and ``labels`` (N,) int64 (when present), and
 string metadata (``num_codes``, ``run``, ``split``, ``step``, ...). Read with
 ``safetensors.numpy.load_file`` (or ``safetensors.torch.load_file``).
 
@@ -44,6 +45,23 @@ def check_suffix(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix not in SUFFIXES:
         raise TokenFileError(f"expected a token file ending in {' or '.join(SUFFIXES)}, got {str(path)!r}")
+    return path
+
+
+def check_out(path: str | Path, what: str, overwrite: bool = True) -> Path:
+    """``path`` checked before any work as a file a command may write: not a folder, no file in the way of its
+    folder (a bare "File exists" after the work otherwise), and, unless ``overwrite``, not there yet (with
+    the labels file of a .npy token file)."""
+    path = Path(path)
+    if path.is_dir():
+        raise TokenFileError(f"{what} {str(path)!r} is a folder; expected a file name")
+    blocking = next((p for p in path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise TokenFileError(f"{what} {str(path)!r} cannot be written: {str(blocking)!r} is a file, not a folder")
+    if not overwrite and path.exists():
+        labels = labels_path(path) if path.suffix == ".npy" else None
+        extra = f" (and its labels {labels.name})" if labels is not None and labels.exists() else ""
+        raise TokenFileError(f"{what} {str(path)!r} exists; pass --overwrite to replace it{extra}")
     return path
 
 
@@ -137,8 +155,9 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise TokenFileError(f"cannot read token file {str(path)!r}: not a {path.suffix} token file or cut off "
                              f"({first})") from None
-    if "indices" not in tensors:
-        if len(tensors) != 1:
-            raise TokenFileError(f"expected a tensor 'indices' in {str(path)!r}, got {sorted(tensors)}")
-        return next(iter(tensors.values())), None, metadata
+    if "indices" not in tensors:  # never another tensor in its place: labels would be read as codes
+        raise TokenFileError(f"token file {str(path)!r} has no 'indices' tensor (it holds "
+                             f"{', '.join(repr(name) for name in sorted(tensors)) or 'no tensors'}); a .safetensors "
+                             "token file holds the code maps as 'indices' (N, h, w) and, optionally, 'labels' (N,), "
+                             "as ddcl-vq tokenize writes them")
     return tensors["indices"], tensors.get("labels"), metadata

@@ -29,7 +29,7 @@ from ddcl_vq.train.settings import Options, Rules, option
 from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 from ddcl_vq.train.threads import set_threads, threads_option
 
-from .files import TokenFileError, check_suffix, index_dtype, write_tokens
+from .files import TokenFileError, check_out, check_suffix, index_dtype, write_tokens
 
 HELP = """\
 Encode every image of a dataset split with a trained run's model and write the hard code
@@ -55,6 +55,7 @@ class TokenizeOptions:
                           positional=True, metavar="MODEL")
     split: str = option("train", "dataset split")
     out: str = option(help="the token file to write (.npy or .safetensors)", metavar="FILE")
+    overwrite: bool = option(False, "replace FILE (and its labels) when it exists")
     batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     max_images: int = option(0, "first N images of the split (0 = all)")
     device: str = option("auto", "cpu, cuda, ... (auto: the run's train.device, CUDA when available)")
@@ -140,21 +141,31 @@ def export_data_config(model, source, overrides=()):
 
 
 def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: int = EVAL_BATCH_SIZE,
-                 max_images: int = 0, overrides=(), device: str = "auto", progress: bool = False) -> Dict:
+                 max_images: int = 0, overrides=(), device: str = "auto", progress: bool = False,
+                 overwrite: bool = False) -> Dict:
     """Tokenize ``split`` of the dataset of ``run_dir`` (a run directory, an exported model folder or
-    its Hub id) into ``out``; returns a summary."""
+    its Hub id) into ``out``; returns a summary. An existing ``out`` is replaced only with ``overwrite``."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
+    from ddcl_vq.train.dataerrors import DataUnavailable
 
     from .models import load_source
 
-    out = check_suffix(out)  # before any work
+    out = check_out(check_suffix(out), "--out", overwrite)  # before any work
     model, cfg, source = load_source(run_dir, overrides, "cpu")
-    if cfg is None:
+    exported = cfg is None
+    if exported:
         cfg = export_data_config(model, run_dir, overrides)
     step, ckpt = source.get("step"), source.get("checkpoint")
     dev = _device(device, cfg)
     model = model.to(dev)
-    dataset = build_dataset(cfg.data, split, cfg.run.seed)
+    try:
+        dataset = build_dataset(cfg.data, split, cfg.run.seed)
+    except DataUnavailable as err:
+        if exported and cfg.data.name == "image_folder" and not any(str(o).startswith("data.root=")
+                                                                   for o in overrides):
+            raise TokenFileError(f"{err}; an export records its dataset's name and image size, not where an image "
+                                 "folder is: pass data.root=/path/to/the/folder") from None
+        raise
     t0 = time.time()
     indices, labels = encode_dataset(model, dataset, batch_size, max_images, dev, progress,
                                      resolve_workers(cfg.data, dataset))
@@ -174,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     set_threads(opts.threads)
     done = tokenize_run(opts.run_dir, opts.split, opts.out, opts.batch_size, opts.max_images, opts.overrides,
-                        opts.device, progress=not opts.quiet)
+                        opts.device, progress=not opts.quiet, overwrite=opts.overwrite)
     if not opts.quiet:
         n = done["shape"][0]
         print(f"{opts.split}: {n} images -> indices {'x'.join(map(str, done['shape']))} {done['dtype']} "
