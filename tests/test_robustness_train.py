@@ -336,8 +336,7 @@ def test_learning_rates_in_exponent_notation_are_floats(tmp_path):
     (tmp_path / "c.yaml").write_text("train:\n  lr: 1e-3\n  codebook_lr_ratio: 3e+0\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert cfg.train.lr == 1e-3 and cfg.train.codebook_lr_ratio == 3.0
-    with pytest.raises(ConfigError, match=r"'train.steps': expected int, got '1e3'"):
-        load_config(ROOT / "configs/fashion_ddcl.yaml", ["train.steps=1e3"])
+    assert load_config(ROOT / "configs/fashion_ddcl.yaml", ["train.steps=1e3"]).train.steps == 1000  # issue 40
     with pytest.raises(ConfigError, match=r"'train.lr': expected float, got 'e-3'"):
         load_config(ROOT / "configs/fashion_ddcl.yaml", ["train.lr=e-3"])
 
@@ -460,3 +459,69 @@ def test_new_errors_are_user_errors_and_a_refused_allocation_is_one_line(capsys)
         main(["other"])
     with pytest.raises(MemoryError):
         main(["python", "--debug"])
+
+
+# --------------------------------------------------------------------------- issue 40: config files and values
+
+def test_a_config_file_whose_top_level_is_not_a_mapping_is_one_line_naming_the_file(tmp_path, capsys):
+    """Item 8: a list at the top crashed (AttributeError: 'list' object has no attribute 'setdefault') as soon as
+    an override was given, in train and in prior train."""
+    from ddcl_vq.eval import cli
+
+    path = tmp_path / "list.yaml"
+    path.write_text("- train.steps: 2\n- train.lr: 1e-3\n")
+    expected = f"config file '{path}': expected a mapping at the top, got list"
+    for overrides in ([], ["train.steps=2"]):
+        assert train_main(["--config", str(path), *overrides, f"run.dir={tmp_path / 'run'}"]) == 2
+        assert expected in one_error_line(capsys)
+        assert cli.main(["prior", "train", str(tmp_path / "no_tokenizer"), "--tokens", str(tmp_path / "t.npy"),
+                         "--config", str(path), *overrides]) == 2
+        assert expected in one_error_line(capsys, "prior train")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="expected a mapping at the top, got list"):
+        from ddcl_vq.train.config import apply_overrides
+        apply_overrides([1, 2], ["train.steps=2"])
+
+
+def test_duplicate_yaml_keys_are_refused_naming_the_key(tmp_path, capsys):
+    """Rough edge: a key given twice in one mapping silently kept the last value."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 5\n  lr: 1.0e-3\n  steps: 7\nrun: {name: a}\n")
+    assert train_main(["--config", str(path), f"run.dir={tmp_path / 'run'}"]) == 2
+    line = one_error_line(capsys)
+    assert f"config file '{path}' has the key 'steps' twice in one mapping (lines 2 and 4)" in line, line
+    (tmp_path / "top.yaml").write_text("run: {name: a}\ntrain: {steps: 3}\nrun: {name: b}\n")
+    with pytest.raises(ConfigError, match=r"has the key 'run' twice in one mapping \(lines 1 and 3\)"):
+        load_config(tmp_path / "top.yaml")
+    with pytest.raises(ConfigError, match="override 'quantizer.vqp' has the key 'decay' twice"):
+        load_config(None, ["quantizer.type=vqp", "quantizer.vqp={decay: 0.9, decay: 0.8}"])
+    # the same key in two mappings, and a merge key, are fine
+    (tmp_path / "ok.yaml").write_text("run: {name: a}\ntrain: &t {steps: 3}\ndata: {batch_size: 3}\n")
+    assert load_config(tmp_path / "ok.yaml").train.steps == 3
+
+
+def test_whole_numbers_in_exponent_notation_are_integers(tmp_path, capsys):
+    """Rough edge: train.steps=1e3 was refused as a string while train.lr=1e-3 was read as a number."""
+    for text, value in (("1e3", 1000), ("2E+4", 20000), ("1.0e3", 1000), ("1000.0", 1000)):
+        assert load_config(None, [f"train.steps={text}"]).train.steps == value
+    (tmp_path / "c.yaml").write_text("train:\n  steps: 1e3\n  log_every: 2.5e1\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.train.steps, cfg.train.log_every) == (1000, 25) and isinstance(cfg.train.steps, int)
+    for text, shown in (("1.5", "1.5"), ("1.5e0", "'1.5e0'"), ("1e300", "'1e300'")):
+        with pytest.raises(ConfigError, match=rf"config key 'train.steps': expected an integer, got {shown} "
+                                              r"\(not a whole number"):
+            load_config(None, [f"train.steps={text}"])
+    with pytest.raises(ConfigError, match="too large to be exact"):
+        load_config(None, ["train.steps=1e300"])
+    # command-line options read the same way
+    from ddcl_vq.train.settings import Options, option
+    from dataclasses import dataclass
+
+    @dataclass
+    class Opts:
+        count: int = option(1, "how many")
+
+    opts = Options(Opts, prog="ddcl-vq x")
+    assert opts.parse(["--count", "1e3"]).count == 1000
+    with pytest.raises(ConfigError, match="option --count: expected an integer, got '1.5e0'"):
+        opts.parse(["--count", "1.5e0"])

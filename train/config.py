@@ -32,7 +32,7 @@ from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
 from .data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
 from .settings import ConfigError, Rules, apply, check, did_you_mean, keys_of, leaves, nearest
-from .yamlfile import load_yaml_text, read_yaml  # bounded YAML (size, nesting, aliases)
+from .yamlfile import load_yaml_text, read_yaml_mapping  # bounded YAML (size, nesting, aliases, duplicate keys)
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
            "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
@@ -381,7 +381,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def read_yaml(path: Path, what: str) -> Dict[str, Any]:
+    """A config file's settings: bounded YAML (:mod:`.yamlfile`) whose top level is a mapping ({} when empty);
+    a ConfigError naming the file otherwise (a list at the top is refused here, not when an override is set)."""
+    return read_yaml_mapping(path, what)
+
+
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
     raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
     valid = set(all_keys())
     for text in overrides:

@@ -111,6 +111,20 @@ def did_you_mean(key: str, candidates: Sequence[str]) -> str:
 #: a float in YAML 1.2 and Python that PyYAML (YAML 1.1) reads as a string: 1e-3, 1e+9, 2E5, 1.0e3
 _FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 
+#: the largest integer a float holds exactly: 1e3 is read as 1000 for an int setting, 1e300 is not
+_EXACT_INT = 2 ** 53
+
+
+def _whole(value: Any) -> Optional[int]:
+    """The int a float, or float text such as '1e3' (what YAML 1.1 reads as a string), stands for when it is
+    a whole number a float holds exactly; None otherwise."""
+    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        value = float(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT:
+        return int(value)
+    return None
+
+
 def _optional(annotation: Any) -> Tuple[Any, bool]:
     """(the type inside Optional[...], whether None is allowed)."""
     if typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation):
@@ -144,6 +158,11 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if _whole(value) is not None:
+            return _whole(value)  # 1e3 or 1000.0: the learning-rate notation, for a count
+        if isinstance(value, float) or (isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
+            raise ConfigError(f"{name(key)}: expected an integer, got {value!r} (not a whole number"
+                              f"{', or too large to be exact' if abs(float(value)) > _EXACT_INT else ''})")
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -337,6 +356,8 @@ class Options:
     def _scalar(self, name: str, raw: Any, annotation: Any) -> Any:
         if annotation in (bool, str, Any) or not isinstance(raw, str):
             return raw
+        if annotation is int and _FLOAT_TEXT.fullmatch(raw.strip()):
+            return raw  # 1e3: coerce() reads it as 1000, or says why not
         try:
             return annotation(raw)
         except ValueError:

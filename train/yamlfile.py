@@ -6,7 +6,9 @@ broken file fails at once with one line instead of taking minutes and gigabytes.
   stream, before anything is built, so deep nesting cannot exhaust the recursion limit);
 - aliases: the document, with every alias (``*name``) expanded, holds at most :data:`MAX_VALUES`
   values (an "alias bomb" of a few hundred bytes expands to billions), and no alias may refer
-  to a mapping or list that contains it (a recursive document).
+  to a mapping or list that contains it (a recursive document);
+- duplicate keys: a key twice in one mapping is refused, naming the key and both lines (YAML
+  readers keep the last one without a word).
 
 Errors never print the document's values. Safe loading only (``yaml.SafeLoader``: no ``!!python``
 tags).
@@ -70,6 +72,30 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
     return size(root)
 
 
+def _check_duplicate_keys(root: yaml.Node, what: str) -> None:
+    """ConfigError for a mapping that has the same (scalar) key twice."""
+    seen_nodes = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: Dict[tuple, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    ident = (key.tag, key.value)
+                    if ident in keys:
+                        raise ConfigError(f"{what} has the key {key.value!r} twice in one mapping (lines "
+                                          f"{keys[ident]} and {key.start_mark.line + 1}); YAML would keep the "
+                                          "last one without a word: remove one")
+                    keys[ident] = key.start_mark.line + 1
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+
+
 def load_yaml_text(text: str, what: str) -> Any:
     """The YAML document in ``text`` (None when empty), read within the limits above; yaml.YAMLError
     for text that is not YAML, ConfigError (naming ``what``) when a limit is exceeded."""
@@ -82,6 +108,7 @@ def load_yaml_text(text: str, what: str) -> Any:
         if node is None:
             return None
         _expanded_size(node, what)
+        _check_duplicate_keys(node, what)
         return loader.construct_document(node)
     finally:
         loader.dispose()
