@@ -16,6 +16,7 @@ Modules, each importing only those below it:
     fused                    the fused and chunked assignment paths (autograd function, CPU q buffer)
     cpu_pool                 the CPU worker pool the blocked paths run on (set_parallel_blocks)
     hard, ema, vqp           baseline quantizers
+    ibq                      index backpropagation quantization (IBQ, a peer written after its authors' code)
     fsq, simvq, lfq          newer peers from vector-quantize-pytorch (FSQ, SimVQ, LFQ; imported lazily)
     base, kmeans, usage, distributed
                              the Quantizer interface and (N, D) reshapes, k-means init, codebook
@@ -37,11 +38,12 @@ from .ddcl import DDCLQuantizer
 from .ema import EMAVQ
 from .fsq import FSQQuantizer
 from .hard import DISTANCES, HARDVQ_CHOICES, HardVQ
+from .ibq import IBQ_LOGITS, IBQQuantizer
 from .lfq import LFQQuantizer
 from .readout import (CompressorOutput, DDCLReadout, HierarchicalCompressor, ReadoutOutput,
                       prototype_param_groups)
 from .simvq import SimVQQuantizer
-from .usage import USAGE_DEFINITIONS, CodebookUsage, UsageStats
+from .usage import QUEUE_LENGTH, USAGE_DEFINITIONS, CodebookUsage, RecentUsage, UsageStats, uniform_ceiling
 from .vqp import VQPQuantizer
 
 __version__ = "0.1.0"
@@ -49,9 +51,9 @@ __version__ = "0.1.0"
 __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "Assignment", "assign",
-    "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer", "SimVQQuantizer", "LFQQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
+    "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer", "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS", "RecentUsage", "QUEUE_LENGTH", "uniform_ceiling",
     "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
     # allowed values of the quantizers' choice arguments (their defaults: the constructors' signatures)
     "MODES", "CODEBOOK_UPDATES", "CODEBOOK_INITS", "TEMPERATURE_REFERENCES", "TEMPERATURE_SCHEDULES",
-    "ENCODER_GRADIENTS", "REVIVE_CRITERIA", "IMPLEMENTATIONS", "DDCL_CHOICES", "DISTANCES", "HARDVQ_CHOICES",
+    "ENCODER_GRADIENTS", "REVIVE_CRITERIA", "IMPLEMENTATIONS", "DDCL_CHOICES", "DISTANCES", "HARDVQ_CHOICES", "IBQ_LOGITS",
 ]

@@ -8,14 +8,29 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .distributed import all_reduce_sum_
+from .distributed import all_reduce_sum_, rank
 
 USAGE_DEFINITIONS = """\
 utilization     = (codes with count > 0) / K over the whole pass (hard indices)
 active_codes    = codes with count > 0;  dead_codes = K - active_codes
 perplexity      = exp(H(p)), p = counts / sum(counts)   (dataset-level, hard indices)
 soft_perplexity = exp(H(mean_i q_i))                    (DDCL only: mean soft assignment)
-entropy_bits    = H(p) / ln 2"""
+entropy_bits    = H(p) / ln 2
+utilization_ceiling = 1 - (1 - 1/K)^M for the M vectors of the pass: the share of codes that M
+                  draws spread evenly over all K codes would reach (< 1 when M is not >> K)
+queue_utilization = codes among the last 65,536 hard indices of training / K (LlamaGen's and
+                  visual-tokenizer-pytorch's definition; at the end of training; its ceiling as above
+                  with M = 65,536, e.g. 63% at K = 65,536)
+batch_utilization = mean over the last usage window's training batches of (distinct codes in the
+                  batch) / K (vector-quantize-pytorch's examples' "active %"; at most batch vectors / K;
+                  under torchrun each process's batch)"""
+
+
+def uniform_ceiling(num_codes: int, draws: int) -> float:
+    """1 − (1 − 1/K)^M: the expected share of K codes hit at least once by M draws spread evenly over them."""
+    if draws <= 0:
+        return 0.0
+    return -math.expm1(draws * math.log1p(-1.0 / num_codes)) if num_codes > 1 else 1.0
 
 
 def _entropy(p: Tensor) -> float:
@@ -107,3 +122,108 @@ class CodebookUsage:
                           active_codes=active, dead_codes=self.num_codes - active,
                           perplexity=math.exp(entropy), soft_perplexity=soft_perplexity,
                           entropy_bits=entropy / math.log(2), counts=[int(c) for c in counts.tolist()])
+
+
+#: LlamaGen's and visual-tokenizer-pytorch's queue of recent training indices
+QUEUE_LENGTH = 65536
+
+
+class RecentUsage:
+    """Codebook usage over recent training batches, the two ways the field reports it beside a whole
+    split (definitions: ``USAGE_DEFINITIONS``):
+
+    - queue: distinct codes among the last ``queue_length`` hard indices / K;
+    - batch: the mean over batches (since the last :meth:`compute`) of distinct codes in a batch / K.
+
+    ``update(indices)`` once per training batch (any shape, long; no host sync). ``compute()`` returns a
+    dict of both figures with their uniform ceilings; every process must call it under
+    torch.distributed: each process keeps the last ``queue_length // world`` indices of its own share
+    of the batches, the queue's codes are the union over processes, and the batch figure is the mean
+    of each process's batches. ``compute`` then starts a new batch average; the queue goes on.
+    ``state_dict``/``load_state_dict`` carry both across a resume (every process calls
+    ``state_dict``; the queue comes back gathered in rank order, and each process reloads its part).
+    """
+
+    def __init__(self, num_codes: int, queue_length: int = QUEUE_LENGTH, device: torch.device | str = "cpu",
+                 world: int = 1):
+        if not isinstance(num_codes, int) or num_codes <= 0:
+            raise ValueError(f"expected num_codes to be a positive int, got {num_codes!r}")
+        if not isinstance(queue_length, int) or queue_length < world:
+            raise ValueError(f"expected queue_length to be an int >= the number of processes, got {queue_length!r}")
+        self.num_codes, self.world = num_codes, world
+        self.queue = torch.full((queue_length // world,), -1, dtype=torch.long, device=device)
+        self.position = 0         # where the next index goes (a ring buffer)
+        self.filled = 0           # how many entries hold an index
+        self.batch_share = torch.zeros((), dtype=torch.float64, device=device)  # Σ over batches of distinct / K
+        self.batch_vectors = 0    # Σ over batches of the batch's vectors (for the ceiling)
+        self.batches = 0
+
+    @torch.no_grad()
+    def update(self, indices: Tensor) -> None:
+        flat = indices.reshape(-1).to(self.queue.device).long()
+        n, length = flat.numel(), self.queue.numel()
+        if n == 0:
+            return
+        present = torch.zeros(self.num_codes, dtype=torch.float64, device=flat.device)
+        present.index_fill_(0, flat.clamp(0, self.num_codes - 1), 1.0)
+        self.batch_share += present.sum() / self.num_codes
+        self.batch_vectors += n
+        self.batches += 1
+        if n >= length:
+            self.queue.copy_(flat[n - length:])
+            self.position, self.filled = 0, length
+            return
+        first = min(n, length - self.position)
+        self.queue[self.position:self.position + first] = flat[:first]
+        if first < n:
+            self.queue[:n - first] = flat[first:]
+        self.position = (self.position + n) % length
+        self.filled = min(length, self.filled + n)
+
+    def compute(self) -> dict:
+        """-> {queue_utilization, queue_indices, queue_ceiling, batch_utilization, batch_ceiling, batches}
+        (None for a figure with nothing behind it); starts a new batch average."""
+        seen = torch.zeros(self.num_codes, dtype=torch.float64, device=self.queue.device)
+        held = self.queue[:self.filled] if self.filled < self.queue.numel() else self.queue
+        if held.numel():
+            seen.index_fill_(0, held.clamp_min(0), 1.0)
+        stats = torch.cat([seen, seen.new_tensor([float(self.filled), float(self.batch_share), float(self.batches),
+                                                  float(self.batch_vectors)])])
+        all_reduce_sum_(stats)
+        seen, (filled, share, batches, vectors) = stats[:self.num_codes], stats[self.num_codes:].tolist()
+        self.batch_share.zero_()
+        self.batch_vectors = self.batches = 0
+        filled, batches = int(filled), int(batches)
+        per_batch = vectors / batches if batches else 0
+        return {"queue_utilization": float((seen > 0).sum()) / self.num_codes if filled else None,
+                "queue_indices": filled, "queue_ceiling": uniform_ceiling(self.num_codes, filled) if filled else None,
+                "batch_utilization": share / batches if batches else None,
+                "batch_ceiling": uniform_ceiling(self.num_codes, round(per_batch)) if batches else None,
+                "batches": batches}
+
+    def state_dict(self) -> dict:
+        """Every process calls this: the queues (in order, oldest first) gathered in rank order, the batch
+        average's sums over processes."""
+        length = self.queue.numel()
+        ordered = torch.roll(self.queue, -self.position) if self.filled == length else self.queue.clone()
+        gathered = torch.zeros(self.world * length, dtype=torch.long, device=self.queue.device)
+        gathered[rank() * length:(rank() + 1) * length] = ordered + 1  # +1: the empty slots (-1) sum to 0
+        all_reduce_sum_(gathered)
+        sums = all_reduce_sum_(torch.tensor([float(self.batch_share), float(self.batch_vectors), float(self.batches)],
+                                            dtype=torch.float64, device=self.queue.device)).tolist()
+        return {"queue": (gathered - 1).cpu(), "filled": self.filled, "batch_share": sums[0],
+                "batch_vectors": int(sums[1]), "batches": int(sums[2])}
+
+    def load_state_dict(self, state: dict) -> None:
+        length = self.queue.numel()
+        queue = state["queue"]
+        if queue.numel() != self.world * length:
+            raise ValueError(f"expected a saved queue of {self.world * length} indices, got {queue.numel()} "
+                             "(another number of processes or queue length)")
+        self.queue.copy_(queue[rank() * length:(rank() + 1) * length])
+        self.filled = int(state["filled"])
+        self.position = self.filled % length
+        main = rank() == 0  # the sums over processes come back on one process, as CodebookUsage's window does
+        self.batch_share.fill_(float(state["batch_share"]) if main else 0.0)
+        self.batch_vectors = int(state["batch_vectors"]) if main else 0
+        self.batches = int(state["batches"]) if main else 0

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ddcl_vq import uniform_ceiling
 from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import UserError, entry_point
 from ddcl_vq.train.settings import Options, Rules, option
@@ -79,7 +80,12 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
         model = build_model(cfg, image_channels(cfg.data))
     load_into(model, state["model"], path)
     step = int(state["step"])
+    model.training_usage = (state.get("log_state") or {}).get("recent_stats")  # read by evaluate_run
     return cfg, model.to(device).eval(), step, path
+
+
+#: the training's last usage figures (RecentUsage, saved with the checkpoint) that eval.json's codebook block repeats
+TRAINING_USAGE_KEYS = ("queue_utilization", "queue_indices", "queue_ceiling", "batch_utilization", "batch_ceiling")
 
 
 #: what evaluate's overrides may change: the data, where it runs, the (same-result) implementation;
@@ -183,6 +189,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                 "lpips": extra["soft_lpips"]}
     q = model.quantizer
     latent_positions = usage.num_vectors // max(result["num_images"], 1)
+    training = getattr(model, "training_usage", None) or {}  # runs saved before 2026-12-04 have none
     out = {
         "run": str(run_dir),
         "name": cfg.run.name,
@@ -206,6 +213,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                      "dead_codes": usage.dead_codes, "perplexity": usage.perplexity,
                      "soft_perplexity": usage.soft_perplexity, "entropy_bits": usage.entropy_bits,
                      "num_vectors": usage.num_vectors,
+                     "utilization_ceiling": uniform_ceiling(q.num_codes, usage.num_vectors),
+                     **{key: training.get(key) for key in TRAINING_USAGE_KEYS},
                      **codebook_geometry(q.codebook, usage.counts)},
         "usage_counts": usage.counts,
         "lpips_note": lpips_note,
@@ -284,6 +293,10 @@ def format_report(ev: Dict) -> str:
               "|---|---|---|---|---|---|",
               f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
               f"| {_fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
+              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {_fmt(c.get('utilization_ceiling'), '.1%')}; "
+              f"training's last indices: queue {_fmt(c.get('queue_utilization'), '.1%')} of "
+              f"{_fmt(c.get('queue_indices'), ',')} (ceiling {_fmt(c.get('queue_ceiling'), '.1%')}), per batch "
+              f"{_fmt(c.get('batch_utilization'), '.1%')} (ceiling {_fmt(c.get('batch_ceiling'), '.1%')})",
               f"code distances: min {_fmt(c['min_code_distance'], '.4g')}, mean {_fmt(c['mean_code_distance'], '.4g')} "
               f"(all codes); min {_fmt(c['min_active_code_distance'], '.4g')}, mean "
               f"{_fmt(c['mean_active_code_distance'], '.4g')} (active codes)",

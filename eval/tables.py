@@ -19,6 +19,7 @@ COLUMNS = [  # (key, header, format)
     ("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_mse", "MSE hard", ".5f"), ("hard_ssim", "SSIM hard", ".4f"),
     ("hard_lpips", "LPIPS hard", ".4f"), ("soft_psnr", "PSNR soft (dB)", ".2f"),
     ("soft_minus_hard_psnr", "soft−hard PSNR", "+.2f"), ("utilization", "utilization", ".1%"),
+    ("queue_utilization", "util. (queue)", ".1%"), ("batch_utilization", "util. (batch)", ".1%"),
     ("dead_codes", "dead codes", "d"), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
     ("train_seconds", "train time (s)", ".0f"), ("ms_per_step", "ms/step", ".1f"),
 ]
@@ -33,6 +34,8 @@ settings        = what distinguishes the arm: DDCL mode, temperature tau (relati
 PSNR/MSE/SSIM/LPIPS hard = decoded from hard codes on the evaluated split (see definitions below)
 PSNR soft, soft−hard    = DDCL only: decoded from soft codes, and soft minus hard
 utilization, dead codes, perplexity = dataset level, hard indices, on the evaluated split
+util. (queue), util. (batch) = the field's two other definitions, from the end of training (see
+                  queue_utilization and batch_utilization below); — for runs saved before they existed
 steps           = training steps of the evaluated checkpoint
 train time (s)  = wall-clock seconds of training logged in metrics.jsonl, summed over sessions
                   (shared machines: depends on the load, not only on the quantizer)
@@ -78,6 +81,10 @@ def settings_text(cfg) -> str:
         options = getattr(q, q.type)
         text = "defaults" if not options else ", ".join(f"{k}={v}" for k, v in options.items())
         return text + (f", ρ={t.codebook_lr_ratio:g}" if q.type == "simvq" else "")
+    if q.type == "ibq":
+        extra = [f"β={q.beta:g}", f"{q.logits} logits"] + (
+            [f"entropy {q.entropy_weight:g} (T {q.entropy_temperature:g})"] if q.entropy_weight > 0 else ["no entropy"])
+        return ", ".join(extra) + f", ρ={t.codebook_lr_ratio:g}"
     if q.type == "fsq":
         from ddcl_vq.fsq import fsq_levels
         levels = q.fsq_levels if q.fsq_levels is not None else list(fsq_levels(q.num_codes)[0])
@@ -101,6 +108,8 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         "hard_psnr": hard["psnr"], "hard_mse": hard["mse"], "hard_ssim": hard["ssim"], "hard_lpips": hard["lpips"],
         "soft_psnr": soft["psnr"] if soft else None, "soft_minus_hard_psnr": gap["psnr"] if gap else None,
         "utilization": c["utilization"], "active_codes": c["active_codes"], "dead_codes": c["dead_codes"],
+        "utilization_ceiling": c.get("utilization_ceiling"), "queue_utilization": c.get("queue_utilization"),
+        "queue_ceiling": c.get("queue_ceiling"), "batch_utilization": c.get("batch_utilization"),
         "perplexity": c["perplexity"], "soft_perplexity": c["soft_perplexity"], "steps": ev["step"],
         "train_seconds": train_seconds(run_dir), "ms_per_step": ms_per_step(run_dir),
         "split": ev["split"], "num_images": ev["num_images"],

@@ -22,7 +22,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, HardVQ, LFQQuantizer, Quantizer, QuantizerOutput,
+from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer, QuantizerOutput,
                      SimVQQuantizer, VQPQuantizer)
 
 from .loading import (check_config, check_size, index_maps, latent_grid, load_weights, read_config_file,
@@ -30,7 +30,7 @@ from .loading import (check_config, check_size, index_maps, latent_grid, load_we
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
-                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer}
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -126,7 +126,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         {"format": "ddcl-vq/vqvae",
          "encoder_kwargs": {...Encoder arguments...}, "decoder_kwargs": {...Decoder arguments...},
-         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq" | "ibq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
 
     ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ and schedule step, for reading:
     the state itself is in the weights file) and keeps any other keys of ``model.config``

@@ -200,6 +200,41 @@ def test_seeds_name_the_runs_and_set_run_seed(tmp_path):
     assert study_main(["--config", str(_study_file(tmp_path)), "--seeds", "0,-1", "--list"]) == 2
 
 
+def test_an_arm_s_own_seeds_and_sweep_points(tmp_path):
+    def spec(first_arm=None, **top):
+        arm = {"name": "d", "overrides": {"quantizer.type": "ddcl"}, "seeds": [0, 1],
+               "sweep": {"quantizer.num_codes": [16]}, **(first_arm or {})}
+        return {"base": {"quantizer": {"num_codes": 16}}, "seeds": [0], "sweep": {"quantizer.num_codes": [16, 8]},
+                "arms": [arm, {"name": "d", "overrides": {"quantizer.type": "ddcl"},
+                               "sweep": {"quantizer.num_codes": [8]}},
+                         {"name": "h", "overrides": ["quantizer.type=hard"]}], **top}
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec()))
+    study = load_study(path, out=tmp_path / "o")
+    assert [a.name for a in study.arms] == ["d_k16_s0", "h_k16_s0", "d_k16_s1", "d_k8_s0", "h_k8_s0"]
+    assert [a.name for a in load_study(path, seeds=[1]).arms] == ["d_k16_s1", "h_k16_s1", "d_k8_s1", "h_k8_s1"]
+    for bad, match in [(spec({"sweep": {"quantizer.num_codes": [32]}}),
+                        r"arm 'd': 'sweep' quantizer.num_codes: expected a non-empty list of the study's values"),
+                       (spec({"sweep": {"model.channels": [16]}}),
+                        r"arm 'd': 'sweep' key 'model.channels' is not swept by the study"),
+                       (spec(seeds=None), r"arm 'd': 'seeds' needs the study's own 'seeds'")]:
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError, match=match):
+            load_study(path)
+
+
+def test_large_k_config_runs_what_the_issue_asks():
+    study = load_study(ROOT / "configs" / "study_large_k.yaml")
+    names = {a.name for a in study.arms}
+    for k in (16384, 65536):
+        assert {f"{arm}_k{k}_s{s}" for arm in ("ddcl", "simvq_fair", "ibq") for s in (0, 1, 2)} <= names
+        assert {f"{arm}_k{k}_s0" for arm in ("hard", "ema_restart", "vqp_kmeans_expiry", "fsq")} <= names
+    assert {a.name for a in study.arms if a.config.quantizer.num_codes == 262144} == \
+        {"ddcl_k262144_s0", "simvq_fair_k262144_s0", "ibq_k262144_s0"}
+    assert len(study.arms) == 29 and study.eval.max_images == 0
+
+
 # --------------------------------------------------------------------------- quick runs of the two configs
 
 def test_quick_headline_at_k256_with_two_seeds(tmp_path):

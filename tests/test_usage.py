@@ -66,3 +66,42 @@ def test_counting_without_a_host_sync_equals_bincount_and_defers_the_range_check
         fast.compute()
     fast.reset()
     assert fast.compute().num_vectors == 0
+
+
+def test_recent_usage_queue_and_batches_by_hand():
+    from ddcl_vq import RecentUsage
+    recent = RecentUsage(10, queue_length=8)
+    recent.update(torch.tensor([1, 2, 3]))
+    first = recent.compute()
+    assert first["queue_utilization"] == 0.3 and first["queue_indices"] == 3 and first["batches"] == 1
+    assert first["batch_utilization"] == pytest.approx(0.3)
+    recent.update(torch.arange(10))            # longer than the queue: only its last 8 stay
+    recent.update(torch.tensor([[5, 5], [5, 5]]))  # the queue now holds 5 5 5 5 6 7 8 9 (oldest first)
+    second = recent.compute()
+    assert second["queue_utilization"] == 0.5 and second["queue_indices"] == 8
+    assert second["batch_utilization"] == pytest.approx((1.0 + 0.1) / 2)   # a new average after compute
+    assert second["queue_ceiling"] == pytest.approx(1 - 0.9 ** 8)
+    assert recent.compute()["batch_utilization"] is None  # no batch since
+
+
+def test_recent_usage_resumes_exactly():
+    from ddcl_vq import RecentUsage
+    torch.manual_seed(0)
+    straight, first = RecentUsage(50, queue_length=64), RecentUsage(50, queue_length=64)
+    batches = [torch.randint(0, 50, (int(n),)) for n in torch.randint(1, 40, (9,))]
+    for b in batches[:5]:
+        straight.update(b)
+        first.update(b)
+    resumed = RecentUsage(50, queue_length=64)
+    resumed.load_state_dict(first.state_dict())
+    for b in batches[5:]:
+        straight.update(b)
+        resumed.update(b)
+    assert straight.compute() == resumed.compute()
+
+
+def test_uniform_ceiling():
+    from ddcl_vq import uniform_ceiling
+    assert uniform_ceiling(65536, 65536) == pytest.approx(1 - math.exp(-1), rel=1e-4)
+    assert uniform_ceiling(262144, 640000) == pytest.approx(0.913, abs=1e-3)
+    assert uniform_ceiling(1, 5) == 1.0 and uniform_ceiling(10, 0) == 0.0

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ
+from ddcl_vq import EMAVQ, IBQ_LOGITS, DDCLQuantizer, HardVQ, IBQQuantizer
 from ddcl_vq import ddcl as _ddcl
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
@@ -93,7 +93,7 @@ ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword argume
 
 #: quantizer.type -> the class whose keyword arguments (and defaults) are the config's quantizer.* keys
 #: (``vqp`` has none of its own: ``quantizer.vqp`` is passed to vector-quantize-pytorch as it is)
-QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ}
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "ibq": IBQQuantizer}
 #: constructor arguments that are not quantizer.* keys, and where their value comes from
 NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
                  "schedule_steps": "train.steps", "chunk_size": "the constructor default",
@@ -212,6 +212,7 @@ CHOICES = {
     "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
     "quantizer.type": tuple(QUANTIZER_TYPES),
     "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
+    "quantizer.logits": IBQ_LOGITS,
     "train.lr_schedule": ("constant", "cosine"),
     "train.amp": ("none", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -228,7 +229,7 @@ POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "mod
             "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
             "train.checkpoint_every", "train.image_every", "train.usage_window", "train.threads",
             "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups", "loss.disc_layers",
-            "loss.disc_channels"}
+            "loss.disc_channels", "quantizer.entropy_temperature"}
 #: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
 #: moves them instead, for the resolved config.yaml of runs written before the move)
 RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
@@ -238,7 +239,7 @@ LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "r
                "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
                 "quantizer.restart_step", "quantizer.warmup_steps",
-                "quantizer.revive_threshold",
+                "quantizer.revive_threshold", "quantizer.entropy_weight",
                 "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images",
                 "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight", "loss.disc_weight",
                 "loss.disc_start"}

@@ -13,6 +13,8 @@ A study YAML:
       - name: ddcl_st
         overrides: {quantizer.type: ddcl, quantizer.mode: straight_through}   # or ["key=value", ...]
         vs: hard                        # optional: the arm this one is measured against in report.md
+        seeds: [0, 1, 2]                # optional (with 'seeds'): this arm's seeds instead of the file's
+        sweep: {quantizer.num_codes: [256]}   # optional: this arm at these of the sweep's values only
     quick: ["train.steps=4", ...]       # optional: what --quick changes (default QUICK_OVERRIDES)
     parts:                              # optional: every arm once per part, one comparison per part
       - name: photos_a                  # run names <part>_<arm>...
@@ -84,6 +86,8 @@ class ArmSpec:
     name: Optional[str] = None               # required
     overrides: Any = None                    # ["dotted.key=value", ...] or {dotted.key: value}
     vs: Optional[str] = None                 # another arm's name: report.md says what this arm changes
+    seeds: Optional[List[int]] = None        # this arm's seeds instead of the file's (needs the file's 'seeds')
+    sweep: Optional[Dict[str, List[Any]]] = None  # this arm at these of the sweep's values only
 
 
 @dataclass
@@ -199,6 +203,21 @@ def read_study_file(path: Path) -> StudyFile:
                               f"({', '.join(n for n in names if n != arm.name)}), got {arm.vs!r}")
     if spec.seeds is not None:
         check_seeds(spec.seeds, f"study {path.name}: key 'seeds'")
+    for arm in spec.arms:
+        where = f"study {path.name}: arm {arm.name!r}"
+        if arm.seeds is not None:
+            if spec.seeds is None:
+                raise ConfigError(f"{where}: 'seeds' needs the study's own 'seeds' list (the table is then one row "
+                                  "per arm x sweep point, mean and sd over its seeds)")
+            check_seeds(arm.seeds, f"{where}: key 'seeds'")
+        for key, values in (arm.sweep or {}).items():
+            allowed = spec.sweep.get(key)
+            if allowed is None:
+                raise ConfigError(f"{where}: 'sweep' key {key!r} is not swept by the study (it sweeps "
+                                  f"{', '.join(spec.sweep) or 'nothing'})")
+            if not isinstance(values, list) or not values or any(v not in allowed for v in values):
+                raise ConfigError(f"{where}: 'sweep' {key}: expected a non-empty list of the study's values "
+                                  f"{allowed}, got {values!r}")
     for i, part in enumerate(spec.parts):
         if part.name is None or not NAME_RE.match(part.name):
             raise ConfigError(f"study {path.name}: part #{i + 1}: expected {{name: ..., overrides: ...}} with a name "
@@ -290,8 +309,15 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
         suffix = [_sweep_suffix(k, v) for k, v in combo.items()]
         prefix = [] if part is None else [part.name]
         groups = {arm.name: "_".join(prefix + [arm.name] + suffix) for arm, _ in specs}
-        for seed in (seed_list if seed_list is not None else [None]):
+        arm_seeds = [s for arm, _ in specs for s in (arm.seeds or [])] if seeds is None else []
+        every_seed = list(dict.fromkeys(seed_list + arm_seeds)) if seed_list is not None else [None]
+        for seed in every_seed:
             for arm, arm_overrides in specs:
+                if any(combo[k] not in values for k, values in (arm.sweep or {}).items()):
+                    continue  # this arm is not run at this sweep point
+                if seed is not None and seed not in (arm.seeds if arm.seeds is not None and seeds is None
+                                                     else seed_list):
+                    continue  # not one of this arm's seeds (--seeds replaces every arm's list)
                 group = groups[arm.name]
                 arm_name = group if seed is None else f"{group}_s{seed}"
                 if not NAME_RE.match(arm_name):
