@@ -73,13 +73,16 @@ def test_help_explains_options(capsys):
 
 
 def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
-    from ddcl_vq.eval.bench.steps import CONFIGS_DIR, FALLBACK_SOURCE, e2e_models
+    from ddcl_vq.eval.bench.steps import CONFIGS_DIR, e2e_models
     from ddcl_vq.train.settings import ConfigError
     models, source, fallback = e2e_models()
     assert fallback is None and "configs/fashion_ddcl.yaml" in source and set(models) == {"ddcl", "hardvq"}
-    models, source, fallback = e2e_models(tmp_path)            # an installed copy without configs/
-    assert source == FALLBACK_SOURCE and set(models) == {"ddcl", "hardvq"}
+    stand_ins, source, fallback = e2e_models(tmp_path)            # an installed copy without configs/
+    assert "the training config's defaults" in source and set(stand_ins) == {"ddcl", "hardvq"}
     assert "fashion_ddcl.yaml, fashion_hard.yaml not found in" in fallback and str(tmp_path) in fallback
+    for label in models:  # the stand-ins are the configs' settings
+        assert stand_ins[label][0] == models[label][0]
+        assert repr(stand_ins[label][1]) == repr(models[label][1])
     (tmp_path / "fashion_ddcl.yaml").write_text((CONFIGS_DIR / "fashion_ddcl.yaml").read_text())
     (tmp_path / "fashion_hard.yaml").write_text("quantizer: {type: hard, num_codez: 3}\n")
     with pytest.raises(ConfigError, match="num_codez"):       # a broken config is an error, not a fallback

@@ -230,3 +230,31 @@ def test_the_development_install_is_followable_by_tools():
         assert Path(file).resolve() == expected, (name, file)
     pth = [p for p in Path(sysconfig.get_paths()["purelib"]).glob("__editable__*ddcl_vq*.pth")]
     assert pth and all(not line.startswith("import ") for p in pth for line in p.read_text().splitlines()), pth
+
+
+def _calls(tree: ast.AST, attr: str):
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == attr]
+
+
+def test_training_lives_in_train_and_its_helpers_are_defined_once():
+    """Every loop that trains runs from train/ (eval/ measures; the bench times train/'s training step):
+    no file under eval/ calls an optimizer's or a schedule's step(), and the helpers every loop shares — RNG state, the learning-rate schedule, dropping the
+    metrics lines a killed run wrote past its checkpoint — have one definition in the tree."""
+    for path in sorted((ROOT / "eval").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        stepped = [c for c in _calls(tree, "step") if not c.args and not c.keywords]  # optimizer.step(), scheduler.step()
+        assert not stepped, f"{path.relative_to(ROOT)}:{stepped[0].lineno if stepped else ''} calls step()"
+    defined: dict = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef):
+                    defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    for helper in ("rng_state", "set_rng_state", "lr_schedule", "keep_logged_steps", "setup_distributed"):
+        assert len(defined.get(helper, [])) == 1, (helper, defined.get(helper))
+    for duplicate in ("_rng_state", "_set_rng_state", "lr_factor"):
+        assert duplicate not in defined, (duplicate, defined[duplicate])
+    # every loop runs inside the skeleton
+    for loop in ("train/loop.py", "train/prior.py", "train/readout.py"):
+        assert "TrainingRun(" in (ROOT / loop).read_text(), loop

@@ -14,9 +14,9 @@ import torch
 
 from ddcl_vq.eval import cli
 from ddcl_vq.eval.prior.classifier import frechet_distance
-from ddcl_vq.eval.prior.config import PriorConfig, load_prior_config
-from ddcl_vq.eval.prior.data import load_tokens
-from ddcl_vq.eval.prior.training import load_prior, nll_bits, train_prior
+from ddcl_vq.train.prior_config import PriorConfig, load_prior_config
+from ddcl_vq.eval.prior.data import PriorData, load_tokens
+from ddcl_vq.train.prior import load_prior, nll_bits, train_prior
 from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
 from ddcl_vq.models.prior import CodePrior
 from ddcl_vq.train.config import load_config
@@ -192,11 +192,11 @@ def test_config_file_matches_the_built_in_defaults():
 
 
 def test_three_step_training_resumes_to_identical_weights(tokenized, tmp_path):
-    straight = train_prior(_prior_cfg(tokenized, tmp_path / "straight"), quiet=True)
+    straight = train_prior(_prior_cfg(tokenized, tmp_path / "straight"), PriorData, quiet=True)
     assert straight["step"] == 3 and straight["num_classes"] == 10 and straight["grid"] == [8, 8]
     cfg = _prior_cfg(tokenized, tmp_path / "resumed")
-    assert train_prior(cfg, quiet=True, stop_after=2)["step"] == 2
-    assert train_prior(cfg, quiet=True)["step"] == 3
+    assert train_prior(cfg, PriorData, quiet=True, stop_after=2)["step"] == 2
+    assert train_prior(cfg, PriorData, quiet=True)["step"] == 3
     _, a, _ = load_prior(tmp_path / "straight")
     _, b, meta = load_prior(tmp_path / "resumed")
     sa, sb = a.state_dict(), b.state_dict()
@@ -209,7 +209,7 @@ def test_three_step_training_resumes_to_identical_weights(tokenized, tmp_path):
     assert [r["step"] for r in lines] == [1, 2, 3] and "test_bits_per_token" in lines[1]
     # another model on the same directory is refused, naming the key
     with pytest.raises(RunDirError, match="model.dim"):
-        train_prior(_prior_cfg(tokenized, tmp_path / "resumed", "model.dim=64", "train.steps=4"), quiet=True)
+        train_prior(_prior_cfg(tokenized, tmp_path / "resumed", "model.dim=64", "train.steps=4"), PriorData, quiet=True)
 
 
 def test_one_line_errors(tokenized, tmp_path, capsys):
@@ -226,6 +226,38 @@ def test_one_line_errors(tokenized, tmp_path, capsys):
     assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(bad), f"run.dir={tmp_path / 'q'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "expected indices in [0, 32)" in err
+
+
+def test_bad_labels_and_too_few_code_maps_are_refused_in_one_line(tokenized, tmp_path, capsys):
+    """Labels that are not class indices are refused, never dropped or truncated without a word; a token
+    file with fewer maps than one batch names train.batch_size and leaves no prior directory behind."""
+    codes = np.load(tokenized["train"])[:40]
+    cases = {"negative": (np.arange(40) % 10 - 5, "expected class labels >= 0"),
+             "float": (np.full(40, 1.5), "expected integer class labels, got 1.5"),
+             "huge": (np.full(40, 10 ** 9), "expected class labels below 100,000")}
+    for name, (labels, words) in cases.items():
+        path = tmp_path / f"{name}.npy"
+        np.save(path, codes)
+        np.save(tmp_path / f"{name}.labels.npy", labels)
+        prior = tmp_path / f"prior_{name}"
+        assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(path), "--quiet",
+                         f"run.dir={prior}", "train.batch_size=8", "train.steps=1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
+        assert not prior.exists()
+    np.save(tmp_path / "ok.npy", codes)
+    np.save(tmp_path / "ok.labels.npy", np.arange(40) % 10)
+    prior = tmp_path / "prior_small"
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(tmp_path / "ok.npy"), "--quiet",
+                     f"run.dir={prior}", "train.batch_size=64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds 40 code maps, fewer than one batch (train.batch_size=64)" in err, err
+    assert "data.batch_size" not in err and " images" not in err and not prior.exists()
+    # tokenize's "no labels" (-1 for every map) is an unconditional prior, as before
+    np.save(tmp_path / "ok.labels.npy", np.full(40, -1))
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(tmp_path / "ok.npy"), "--quiet",
+                     f"run.dir={prior}", "train.batch_size=8", "train.steps=1", *TINY_PRIOR[:3]]) == 0
+    assert json.loads((prior / "summary.json").read_text())["num_classes"] == 0
 
 
 # --------------------------------------------------------------------------- the loop, end to end
@@ -287,7 +319,7 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     assert {a.config.quantizer.type for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
     assert seeds == [0, 1, 2] and ev["samples"] == 1000 and tok["train_images"] == 0
     # the same prior for every tokenizer: the file's prior is the shipped prior config
-    from ddcl_vq.eval.prior.config import load_prior_config
+    from ddcl_vq.train.prior_config import load_prior_config
     assert load_prior_config(None, prior) == load_prior_config(ROOT / "configs/prior_fashion.yaml")
     quick = load_prior_study(ROOT / "configs/study_prior.yaml", quick=True, out=tmp_path / "q", arms=["ddcl_k256*"],
                              prior_seeds=[0])
@@ -298,7 +330,7 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
 def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     """configs/study_prior_cpu.yaml: the same tokenizers, evaluation and prior model; only the
     prior's steps (600) and its evaluation interval change."""
-    from ddcl_vq.eval.prior.config import load_prior_config
+    from ddcl_vq.train.prior_config import load_prior_config
     from ddcl_vq.eval.prior.study import load_prior_study
 
     full = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)

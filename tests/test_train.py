@@ -127,6 +127,16 @@ def test_unknown_config_key_names_itself(capsys):
         load_config("configs/fashion_ddcl.yaml", ["train.lr=fast"])
 
 
+def test_a_diverging_run_ends_in_one_line(tmp_path, capsys):
+    """lr 1e30 without clipping: the encoder's features go NaN at once; one line with the hint, exit 2."""
+    code = train_main(["--config", "configs/fashion_ddcl.yaml", "--quiet", *TINY_MODEL, "quantizer.num_codes=32",
+                       "data.batch_size=32", "train.steps=6", "train.eval_images=0", "train.lr=1e30",
+                       "train.grad_clip=0", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("ddcl-vq train: error: step ") and "diverged" in err and "lower train.lr" in err
+
+
 def test_missing_data_names_both_ways(tmp_path, monkeypatch):
     monkeypatch.setattr(data_module, "DEBIAN_FASHION_DIR", tmp_path / "nothing")
     monkeypatch.delenv("DDCL_VQ_FASHION_DIR", raising=False)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import warnings
 from typing import Any, Dict, Optional
 
@@ -144,7 +143,7 @@ def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.
 
 
 def lr_lambda(t: TrainConfig):
-    if t.lr_schedule == "constant":
-        return lambda step: 1.0
-    return lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, t.steps) / t.steps))
+    """The tokenizer's learning-rate factor: ``train.lr_schedule`` over ``train.steps``, cosine to 10%, no warm-up."""
+    from .skeleton import lr_schedule
+    return lr_schedule(t.steps, t.lr_schedule, warmup=0, floor=0.1)
 

@@ -35,6 +35,19 @@ class UserError(Exception):
         super().__init__(*args)
 
 
+class Stopped(Exception):
+    """A training stopped by SIGTERM or SIGINT after saving a checkpoint (:mod:`ddcl_vq.train.skeleton`);
+    the message says where and how to resume; ``code`` = 128 + the signal, the exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class Diverged(UserError, FloatingPointError):
+    """Training produced a loss or features that are not finite (NaN/Inf): the optimisation diverged."""
+
+
 def one_line(err: BaseException) -> str:
     """An exception as one line: its message (first line), or its type when it has none."""
     text = str(err).strip()
@@ -65,6 +78,9 @@ def entry_point(prog: str) -> Callable:
                 args = [a for a in args if a != DEBUG_FLAG]
             try:
                 return main(args if (debug or argv is not None) else None)
+            except Stopped as stop:  # not an error: the checkpoint is saved, the same command resumes
+                print(f"{prog}: {stop}", file=sys.stderr)
+                return stop.code
             except UserError as err:
                 if debug:
                     raise

@@ -105,85 +105,71 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     return synchronized(step, device)
 
 
-#: the configs the VQ-VAE step compares, in the repository's configs/ folder
+#: the configs the VQ-VAE step compares, in the repository's configs/ folder, and the same as overrides of
+#: the training config's defaults (an installed copy without the repository's configs)
 E2E_CONFIGS = (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml"))
+E2E_OVERRIDES = {"ddcl": [], "hardvq": ["quantizer.type=hard", "quantizer.beta=0.25", "train.codebook_lr_ratio=1.0"]}
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # the repository: eval/bench/steps.py
-FALLBACK_SOURCE = "ddcl_vq.models.VQVAE(Encoder(), Q(512, 64), Decoder()) + AdamW"
-
-
-def _fallback_models() -> dict:
-    """The documented default model with DDCL and with HardVQ, AdamW at lr 2e-3."""
-    from ddcl_vq import DDCLQuantizer, HardVQ
-    from ddcl_vq.models import VQVAE, Decoder, Encoder
-    models = {}
-    for label, q in (("ddcl", DDCLQuantizer(512, 64)), ("hardvq", HardVQ(512, 64))):
-        torch.manual_seed(0)
-        model = VQVAE(Encoder(), q, Decoder())
-        models[label] = (model, torch.optim.AdamW(model.parameters(), lr=2e-3), 1.0)
-    return models
 
 
 def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
-    """label -> (model, optimizer, quantizer loss weight), where they came from, and why the
-    fallback model was used (None when the configs were used).
+    """label -> (train config, model, optimizer, lr schedule), where they came from, and why the configs'
+    stand-ins were used (None when the configs were used): the configs through the training package's
+    builders; without the repository's configs beside this file (an installed copy), the training
+    config's defaults with the same overrides, the reason in each row."""
+    from ddcl_vq.train.builders import build_model, build_optimizer, lr_lambda
+    from ddcl_vq.train.config import load_config
 
-    The configs are built through the training package's builders; when that package cannot be
-    imported, or the configs are not beside this file (an installed copy without the
-    repository), the documented default model stands in, and the reason goes into each row. A
-    config that is there but invalid is an error (a ConfigError naming it), not a fallback."""
-    try:
-        from ddcl_vq.train.builders import build_model, build_optimizer
-        from ddcl_vq.train.config import load_config
-    except ImportError as err:
-        return _fallback_models(), FALLBACK_SOURCE, f"the training package cannot be imported ({err})"
     missing = [name for _, name in E2E_CONFIGS if not (configs / name).is_file()]
-    if missing:
-        return _fallback_models(), FALLBACK_SOURCE, f"{', '.join(missing)} not found in {configs}"
     models = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for label, cfg_name in E2E_CONFIGS:
-            cfg = load_config(configs / cfg_name)
+            cfg = load_config(None, E2E_OVERRIDES[label]) if missing else load_config(configs / cfg_name)
             torch.manual_seed(0)
             model = build_model(cfg, in_channels=1)
             opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
-            models[label] = (model, opt, cfg.train.quantizer_loss_weight)
+            models[label] = (cfg.train, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train)))
+    if missing:
+        return models, "the training config's defaults (" + ", ".join(
+            f"{label}: {' '.join(o) or 'as they are'}" for label, o in E2E_OVERRIDES.items()) + ")", \
+            f"{', '.join(missing)} not found in {configs}"
     return models, "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.train.builders", None
 
 
 def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True,
              device: str = "cpu") -> List[dict]:
-    """One VQ-VAE training step (forward, backward, AdamW step) with DDCL vs HardVQ.
-
-    Models: configs/fashion_ddcl.yaml (the library default: straight_through, M-step codebook)
-    and configs/fashion_hard.yaml through the training package's builders when it is importable,
-    else ``VQVAE(Encoder(), Q(512, 64), Decoder())`` with AdamW, the reason in each row's ``fallback``. ``with_reference`` adds the DDCL
-    model on the reference path when its quantizer has one to choose (not the M-step default in
+    """One VQ-VAE training step with DDCL vs HardVQ: the training loop's own step
+    (:func:`ddcl_vq.train.loop.training_step`: forward, loss, backward, gradient clipping, AdamW, the
+    learning-rate schedule and the quantizer's per-step state), on the models of
+    configs/fashion_ddcl.yaml and configs/fashion_hard.yaml. ``with_reference`` adds the DDCL model on
+    the reference path when its quantizer has one to choose (not the M-step default in
     straight_through mode, which takes no assignment path). Each row has the wall-clock median and
     ratios, and the same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``): on a
     core shared with other jobs the CPU time leaves out the time the step waited for the core.
     """
+    from ddcl_vq.train.loop import training_step
+
     models, source, fallback = e2e_models()
-    q_default = models["ddcl"][0].quantizer
+    q_default = models["ddcl"][1].quantizer
     skip_warmup(q_default)                     # time the steady state, past the warm-up
     takes_path = assignment_path(q_default, batch * 8 * 8) != "mstep"
     if with_reference and takes_path:  # the same DDCL model on the reference path: what the fused path buys
         import copy
-        ref_model = copy.deepcopy(models["ddcl"][0])
+        t, model = models["ddcl"][:2]
+        ref_model = copy.deepcopy(model)
         ref_model.quantizer.implementation = "reference"
-        ref_opt = type(models["ddcl"][1])(ref_model.parameters(), lr=2e-3)
-        models["ddcl-reference"] = (ref_model, ref_opt, models["ddcl"][2])
+        ref_opt = type(models["ddcl"][2])(ref_model.parameters(), lr=2e-3)
+        models["ddcl-reference"] = (t, ref_model, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0))
     x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
 
-    def make(model, opt, weight):
+    def make(t, model, opt, scheduler):
         model.to(device).train()
+        state = {"step": 0}
 
         def step():
-            out = model(x)
-            loss = torch.nn.functional.mse_loss(out.reconstruction, x) + weight * out.quantizer.loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            training_step(model, x, state["step"], opt, scheduler, t)
+            state["step"] += 1
         return synchronized(step, torch.device(device))
 
     steps = {label: make(*v) for label, v in models.items()}
@@ -191,7 +177,7 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
     n = batch * 8 * 8
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
-        q = models[label][0].quantizer
+        q = models[label][1].quantizer
         impl = assignment_path(q, n)
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,

@@ -12,7 +12,7 @@ import torch
 
 from ddcl_vq.models.prior import CodePrior
 
-from .config import PriorConfig
+from ddcl_vq.train.prior_config import PriorConfig
 from .sampling import time_sampling
 
 

@@ -26,39 +26,13 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from ddcl_vq.models.classifier import SmallClassifier
 from ddcl_vq.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ddcl_vq.train.errors import UserError
+from ddcl_vq.train.classifier import ClassifierUnavailable, dataset_tensors, predict, train_classifier  # noqa: F401
 
-FEATURES = 128
-WIDTHS = (16, 32, 64)
 ARCH = "cnn3-16-32-64-v1"   # bump when the architecture or training recipe changes: old caches are not reused
-
-
-class ClassifierUnavailable(UserError, RuntimeError):
-    """No classifier can be trained for this dataset (no labels)."""
-
-
-class SmallClassifier(nn.Module):
-    """Three 3x3 conv blocks (16, 32, 64 channels, each halving the size) -> 128 features -> classes."""
-
-    def __init__(self, channels: int, classes: int, size: int = 32):
-        super().__init__()
-        layers, c = [], channels
-        for width in WIDTHS:
-            layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2)]
-            c = width
-        self.conv = nn.Sequential(*layers)
-        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(c * (size // 8) ** 2, FEATURES), nn.ReLU())
-        self.out = nn.Linear(FEATURES, classes)
-
-    def features(self, x: Tensor) -> Tensor:
-        return self.fc(self.conv(x))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.features(x))
 
 
 def default_cache_dir() -> Path:
@@ -90,67 +64,10 @@ def _key(data_cfg, steps: int, seed: int) -> Tuple[str, Dict]:
     return f"classifier_{data_cfg.name}_{data_cfg.image_size}_{digest}.pt", spec
 
 
-def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", progress: bool = False
-                     ) -> Tuple[SmallClassifier, Dict]:
-    """Train the feature classifier on the dataset's train split; -> (model in eval mode, info with
-    its test-split accuracy)."""
-    from ddcl_vq.train.data import EpochBatches, build_dataset, image_channels, make_loader
-    from ddcl_vq.train.progress import Progress
-
-    train_set = build_dataset(data_cfg, "train", seed)
-    test_set = build_dataset(data_cfg, "test", seed)
-    labels = _all_labels(train_set)
-    if (labels < 0).any():
-        raise ClassifierUnavailable(f"{data_cfg.name} has no labels: the feature classifier (Fréchet distance, "
-                                    "class accuracy) cannot be trained")
-    classes = int(labels.max()) + 1
-    torch.manual_seed(seed)
-    model = SmallClassifier(image_channels(data_cfg), classes, data_cfg.image_size).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * min(s, steps) / steps)))
-    loader = make_loader(train_set, EpochBatches(len(train_set), 128, seed), 0)
-    bar = Progress(steps, f"classifier ({data_cfg.name})", unit="step", every=max(steps // 10, 1)) if progress \
-        else None
-    model.train()
-    for step, (x, y) in enumerate(loader):
-        if step >= steps:
-            break
-        loss = F.cross_entropy(model(x.to(device)), torch.as_tensor(y).to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    model.eval()
-    x_test, y_test = _tensors(test_set)
-    pred = predict(model, x_test, device=device)
-    accuracy = float((pred == y_test).float().mean())
-    return model, {"classes": classes, "channels": image_channels(data_cfg), "test_accuracy": accuracy,
-                   "test_images": len(y_test)}
-
-
-def _all_labels(dataset) -> Tensor:
-    if hasattr(dataset, "labels"):
-        return torch.as_tensor(dataset.labels)
-    return torch.as_tensor([int(dataset[i][1]) for i in range(len(dataset))])
-
-
-def _tensors(dataset, max_images: int = 0) -> Tuple[Tensor, Tensor]:
-    n = len(dataset) if not max_images else min(max_images, len(dataset))
-    if hasattr(dataset, "images"):  # TensorImageDataset: one indexing op
-        x, y = dataset[list(range(n))]
-        return x, torch.as_tensor(y)
-    items = [dataset[i] for i in range(n)]
-    return torch.stack([a for a, _ in items]), torch.as_tensor([int(b) for _, b in items])
-
-
 def real_images(data_cfg, split: str = "test", max_images: int = 0, seed: int = 0) -> Tuple[Tensor, Tensor]:
     """The first ``max_images`` images (0 = all) of a split and their labels."""
     from ddcl_vq.train.data import build_dataset
-    return _tensors(build_dataset(data_cfg, split, seed), max_images)
+    return dataset_tensors(build_dataset(data_cfg, split, seed), max_images)
 
 
 def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int = 1000, seed: int = 0,
@@ -178,9 +95,3 @@ def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int 
 def features(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> np.ndarray:
     return torch.cat([model.features(images[i:i + batch_size].to(device)).cpu()
                       for i in range(0, len(images), batch_size)]).double().numpy()
-
-
-@torch.no_grad()
-def predict(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> Tensor:
-    return torch.cat([model(images[i:i + batch_size].to(device)).argmax(1).cpu()
-                      for i in range(0, len(images), batch_size)])

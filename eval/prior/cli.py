@@ -81,8 +81,10 @@ TRAIN = Options(TrainOptions, prog="ddcl-vq prior train", description=TRAIN_HELP
 @entry_point("ddcl-vq prior train")
 def train_main(argv: Optional[List[str]] = None) -> int:
     opts = TRAIN.parse(argv)
-    from .config import dump_config, load_prior_config
-    from .training import train_prior
+    from ddcl_vq.train.prior import train_prior
+    from ddcl_vq.train.prior_config import dump_config, load_prior_config
+
+    from .data import PriorData
 
     data = [f"data.tokenizer={opts.tokenizer}", f"data.train_tokens={opts.tokens}"]
     if opts.test:
@@ -91,8 +93,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     if opts.print_config:
         print(dump_config(cfg), end="")
         return 0
-    summary = train_prior(cfg, quiet=opts.quiet, stop_after=opts.stop_after)
-    from ddcl_vq.train.loop import teardown_distributed
+    summary = train_prior(cfg, PriorData, quiet=opts.quiet, stop_after=opts.stop_after)
+    from ddcl_vq.train.skeleton import teardown_distributed
     teardown_distributed()
     if not opts.quiet:
         done = summary["step"] >= summary["steps"]

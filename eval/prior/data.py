@@ -1,23 +1,23 @@
 """What a prior trains on: token files (read by :mod:`ddcl_vq.eval.tokens.files`) and the tokenizer
-that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.eval.tokens.models`)."""
+that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.eval.tokens.models`);
+:class:`PriorData` is what :func:`ddcl_vq.train.prior.train_prior` trains on."""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from ddcl_vq.eval.tokens.decode import check_indices
 from ddcl_vq.eval.tokens.files import TokenFileError, read_tokens
-from ddcl_vq.train.errors import UserError
+from ddcl_vq.train.prior import PriorDataError
 
-
-class PriorDataError(UserError, ValueError):
-    """Token files or tokenizer that a prior cannot use as asked."""
+#: the most classes a class-conditional prior is built for (its class embedding has one row per class)
+MAX_CLASSES = 100_000
 
 
 @dataclass
@@ -56,12 +56,71 @@ def load_tokens(path: str | Path, num_codes: int, what: str = "token file") -> T
         raise PriorDataError(f"{what} {str(path)!r} holds no code maps")
     lab = None
     if labels is not None:
-        labels = np.asarray(labels).astype(np.int64).reshape(-1)
-        if labels.shape[0] != len(indices):
-            raise PriorDataError(f"{what} {str(path)!r}: {labels.shape[0]} labels for {len(indices)} code maps")
-        if (labels >= 0).all():
-            lab = torch.from_numpy(labels)
+        lab = torch.from_numpy(check_labels(np.asarray(labels), len(indices), f"{what} {str(path)!r}"))
+        if (lab < 0).all():  # tokenize writes -1 for every image of a dataset without labels
+            lab = None
     return Tokens(str(path), torch.from_numpy(indices.astype(np.int64)), lab, meta)
+
+
+def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
+    """A token file's labels as int64: one per code map, integers (a float array only when every value is
+    whole), each >= 0 and below MAX_CLASSES — or all -1 (tokenize's "no labels"); PriorDataError otherwise."""
+    labels = labels.reshape(-1)
+    if labels.shape[0] != count:
+        raise PriorDataError(f"{where}: {labels.shape[0]} labels for {count} code maps")
+    if labels.dtype.kind == "f":
+        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
+            bad = labels[~np.isfinite(labels) | (labels != np.round(labels))][0]
+            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad)!r} (a float label)")
+    elif labels.dtype.kind not in "iub":
+        raise PriorDataError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
+    labels = labels.astype(np.int64)
+    if (labels == -1).all():
+        return labels
+    if labels.min() < 0:
+        raise PriorDataError(f"{where}: expected class labels >= 0 (or -1 for every map: no labels), got "
+                             f"{int(labels.min())}")
+    if labels.max() >= MAX_CLASSES:
+        raise PriorDataError(f"{where}: expected class labels below {MAX_CLASSES:,} (a class-conditional prior holds "
+                             f"one embedding per class), got {int(labels.max()):,}; set "
+                             "model.class_conditional=false for an unconditional prior")
+    return labels
+
+
+class PriorData:
+    """The training (and test) tokens, checked against the tokenizer's K and each other."""
+
+    def __init__(self, cfg):
+        if not cfg.data.train_tokens:
+            raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
+        self.tokenizer = tokenizer_info(cfg.data.tokenizer)
+        k = self.tokenizer["num_codes"]
+        self.train = load_tokens(cfg.data.train_tokens, k, "training token file")
+        latent = self.tokenizer.get("latent")
+        if latent and self.train.grid != (latent, latent):
+            raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
+                                 f"the tokenizer {cfg.data.tokenizer!r} makes {latent}x{latent} ones")
+        self.test: List[Tokens] = []
+        for path in cfg.data.test_tokens:
+            tokens = load_tokens(path, k, "test token file")
+            if tokens.grid != self.train.grid:
+                raise PriorDataError(f"test token file {path!r} holds {tokens.grid} code maps, the training tokens "
+                                     f"{self.train.grid}")
+            self.test.append(tokens)
+        conditional = cfg.model.class_conditional and self.train.labels is not None
+        self.num_classes = int(self.train.labels.max()) + 1 if conditional else 0
+        for tokens in self.test:  # a test file without labels cannot be scored by a conditional prior
+            if self.num_classes and (tokens.labels is None or int(tokens.labels.max()) >= self.num_classes):
+                raise PriorDataError(f"test token file {tokens.path!r}: a class-conditional prior needs its labels "
+                                     f"in [0, {self.num_classes}) (set model.class_conditional=false for an "
+                                     "unconditional prior)")
+        self.num_codes = k
+
+    def meta(self) -> Dict:
+        return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,
+                "train_images": len(self.train.codes), "fingerprint": self.train.fingerprint(),
+                "dataset": self.tokenizer["data"].name if self.tokenizer.get("data") is not None else None,
+                "image_size": self.tokenizer["data"].image_size if self.tokenizer.get("data") is not None else None}
 
 
 def tokenizer_info(source: str | Path) -> Dict[str, Any]:

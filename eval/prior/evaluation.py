@@ -12,7 +12,7 @@ import torch
 from .classifier import ClassifierUnavailable, features, frechet_distance, get_classifier, predict, real_images
 from .data import load_tokenizer, load_tokens, tokenizer_info
 from .sampling import sample_codes
-from .training import load_prior, nll_bits
+from ddcl_vq.train.prior import load_prior, nll_bits
 
 DEFINITIONS = """\
 bits/token      = mean over every code of the test token file of -log2 p(code | class, earlier codes

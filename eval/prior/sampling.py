@@ -54,7 +54,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     from ddcl_vq.eval.tokens.files import index_dtype, write_tokens
 
     from .data import load_tokenizer
-    from .training import load_prior
+    from ddcl_vq.train.prior import load_prior
 
     out = Path(out)
     if out.suffix.lower() != ".png":

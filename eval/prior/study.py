@@ -155,7 +155,7 @@ def load_prior_study(path: str | Path, quick: bool = False, out: Optional[str | 
     Every tokenizer arm and the prior config are validated here, before anything trains."""
     from ddcl_vq.eval.study.config import load_study
 
-    from .config import load_prior_config
+    from ddcl_vq.train.prior_config import load_prior_config
 
     path = Path(path)
     spec = read_prior_study(path)
@@ -182,9 +182,11 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
     from ddcl_vq.eval.study.run import run_study
     from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
 
-    from .config import load_prior_config
+    from ddcl_vq.train.prior_config import load_prior_config
     from .evaluation import evaluate_prior
-    from .training import train_prior
+    from ddcl_vq.train.prior import train_prior
+
+    from .data import PriorData
 
     spec, study, prior_overrides, tok, ev, seeds, out_dir = load_prior_study(path, quick, out, arms, prior_seeds)
     started = time.time()
@@ -224,7 +226,7 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
                 continue
             if summary is None:
                 say(f"{name}: prior")
-                summary = train_prior(cfg, quiet=True)
+                summary = train_prior(cfg, PriorData, quiet=True)
             ev_path = prior_dir / "eval.json"
             evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
             if evaluation is None or evaluation.get("step") != summary["step"] or \
@@ -252,7 +254,7 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
 def finished_prior(cfg) -> Optional[Dict]:
     """The summary of the prior in ``cfg.run.dir`` if it has trained ``cfg.train.steps`` steps with
     ``cfg``'s settings (paths, logging and device aside), else None."""
-    from .config import RESUMABLE, differences, load_prior_config
+    from ddcl_vq.train.prior_config import RESUMABLE, differences, load_prior_config
 
     prior_dir = Path(cfg.run.dir)
     summary_path, config_path = prior_dir / "summary.json", prior_dir / "config.yaml"

@@ -5,7 +5,7 @@ budget (same steps, batch, learning rate, seed, data order and encoder initialis
 the hierarchical compressor on the DDCL arm's frozen token features. Writes ``results.json``,
 ``report.md`` and PNG plots to ``--out``.
 
-Modules: ``data`` (Fashion-MNIST as patch tokens), ``training`` (the arms and their training
-loop), ``compressor`` (the hierarchical compressor on frozen tokens), ``report`` (report.md and
-plots), ``cli`` (the command and its options). The model is :class:`ddcl_vq.models.PatchTransformer`.
+Modules: ``compressor`` (the hierarchical compressor on frozen tokens, measured), ``report``
+(report.md and plots), ``cli`` (the command and its options). The arms, their data and their
+training loop are :mod:`ddcl_vq.train.readout`; the model is :class:`ddcl_vq.models.PatchTransformer`.
 """

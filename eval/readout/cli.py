@@ -19,10 +19,10 @@ from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import ConfigError, Options, Rules, option
 
+from ddcl_vq.train.readout import ARMS, load_patches, train_arm
+
 from .compressor import run_compressor
-from .data import load_patches
 from .report import plots, report
-from .training import ARMS, train_arm
 
 HELP = """\
 Train a small transformer encoder over 4x4 image patches of real Fashion-MNIST (49 tokens,
@@ -47,7 +47,9 @@ Then trains ddcl_vq.HierarchicalCompressor on the DDCL arm's frozen tokens (wind
 --windows) and reports reconstruction error vs compression ratio, next to plain
 window-mean pooling over the same windows.
 
-Writes OUT/results.json, OUT/report.md, OUT/accuracy.png, OUT/ddcl_terms.png, OUT/compressor.png.
+Writes OUT/results.json, OUT/report.md, OUT/accuracy.png, OUT/ddcl_terms.png, OUT/compressor.png;
+each arm trains in OUT/runs/<arm> (checkpoints, metrics.jsonl): the same command resumes a killed
+study, and reuses the arms that finished.
 The default budget (3 arms x 1,000 steps, 1 thread) takes about 6-7 minutes on a 2-core CPU;
 --quick takes seconds (for tests).
 """
@@ -131,7 +133,7 @@ def _run(args, argv: List[str], out: Path, show: bool) -> int:
     results = {"config": cfg, "num_tokens": int(train_data[0].shape[1]), "arms": {}}
     models = {}
     for name in args.arms:
-        res, model = train_arm(name, args, train_data, test_data, show)
+        res, model = train_arm(name, args, train_data, test_data, out, show)
         results["arms"][name] = res
         models[name] = model
         u = res.get("usage")

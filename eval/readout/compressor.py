@@ -1,17 +1,16 @@
 """The hierarchical compressor trained on the DDCL arm's frozen tokens, next to window-mean pooling."""
 from __future__ import annotations
 
-import time
 from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ddcl_vq import CodebookUsage, HierarchicalCompressor
+from ddcl_vq import CodebookUsage
 from ddcl_vq.models import PatchTransformer
 
-from .data import to_float
+from ddcl_vq.train.readout import to_float, train_compressor
 
 
 @torch.no_grad()
@@ -46,24 +45,7 @@ def window_mean_errors(tokens: Tensor, windows: List[int]) -> List[float]:
 def run_compressor(args, model: PatchTransformer, train_u8: Tensor, test_u8: Tensor, show_progress: bool) -> Dict:
     ftr = features(model, train_u8[:args.compressor_train])
     fte = features(model, test_u8[:args.compressor_test])
-    torch.manual_seed(args.seed)
-    comp = HierarchicalCompressor(ftr.shape[-1], args.windows, args.compressor_prototypes,
-                                  temperature=args.temperature, distortion_to_tokens=False, prototype_init="kmeans")
-    opt = torch.optim.Adam(comp.parameters(), lr=args.compressor_lr)
-    gen = torch.Generator().manual_seed(args.seed)
-    from tqdm.auto import tqdm
-    t0 = time.perf_counter()
-    batch = min(256, len(ftr))
-    first_loss = last_loss = None
-    for step in tqdm(range(args.compressor_steps), desc="  compressor", disable=not show_progress, mininterval=1.0):
-        idx = torch.randint(len(ftr), (batch,), generator=gen)
-        out = comp(ftr[idx])
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        last_loss = float(out.loss.detach())
-        first_loss = last_loss if first_loss is None else first_loss
-    wall = time.perf_counter() - t0
+    comp, first_loss, last_loss, wall = train_compressor(args, ftr, show_progress)
     comp.eval()
     with torch.no_grad():
         out = comp(fte)
