@@ -142,6 +142,19 @@ def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "t
     return rows
 
 
+def distinct_runs(run_dirs: Sequence[str]) -> List[str]:
+    """``run_dirs`` with a run given twice (the same folder under one path or another) kept once, and a note
+    on stderr saying so: a table lists each run once."""
+    kept: Dict[Path, str] = {}
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in kept:
+            print(f"note: {d!r} is the run {kept[key]!r} again; compared once", file=sys.stderr)
+        else:
+            kept[key] = d
+    return list(kept.values())
+
+
 @dataclass(kw_only=True)
 class CompareOptions:
     run_dirs: List[str] = option(help="run directories written by ddcl-vq train", positional=True, nargs="+",
@@ -165,8 +178,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     set_threads(opts.threads)
     cmd = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
+    run_dirs = distinct_runs(opts.run_dirs)
     try:
-        rows = compare(opts.run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
+        rows = compare(run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
                        grid_images=opts.grid_images, progress=not opts.quiet, command=cmd)
     except CompareWriteError as err:
         print(markdown_table(err.rows))  # the results, even when they cannot be saved

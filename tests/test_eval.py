@@ -240,6 +240,67 @@ def test_quick_study_end_to_end(tmp_path):
     assert (out / "runs" / "hard" / "checkpoints" / "last.pt").stat().st_mtime == mtime
 
 
+def _study_file(path: Path, name: str, arms, data=None) -> Path:
+    path.write_text(yaml.safe_dump({
+        "name": name, "base": {"data": data or {"name": "fashion_mnist"}, "quantizer": {"num_codes": 16}},
+        "eval": {"max_images": 32}, "arms": [{"name": a, "overrides": {"quantizer.type": a}} for a in arms]}))
+    return path
+
+
+def test_a_second_study_in_the_same_out_is_refused_before_anything_trains(tmp_path, capsys):
+    """Issue 40, item 10: a second study in one --out trained its arms, wrote a partial report and table into the
+    first one's folder and exited 1."""
+    out = tmp_path / "report"
+    first = _study_file(tmp_path / "first.yaml", "first", ["ddcl"])
+    assert study_main(["--config", str(first), "--quick", "--out", str(out)]) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    second = _study_file(tmp_path / "second.yaml", "second", ["hard"])
+    for extra in ([], ["--report-only"]):
+        assert study_main(["--config", str(second), "--quick", "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"ddcl-vq study: error: study 'second': the output folder '{out}' holds the study 'first' "
+                       "(its runs, report and table); choose another --out"], err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing trained or written
+    # a folder a finished study wrote before the owner file existed: its study.json says whose it is
+    (out / ".ddcl-vq-study").unlink()
+    assert study_main(["--config", str(second), "--quick", "--out", str(out)]) == 2
+    assert "holds the study 'first'" in capsys.readouterr().err
+    assert study_main(["--config", str(first), "--quick", "--out", str(out)]) == 0  # its own study resumes
+    assert json.loads((out / ".ddcl-vq-study").read_text())["study"] == "first"
+
+
+def test_a_failed_arms_study_error_goes_when_it_later_succeeds(tmp_path, capsys):
+    """Issue 40, item 10: study_error.txt (a traceback) stayed in a run that later trained and evaluated."""
+    from PIL import Image
+
+    root = tmp_path / "images"
+    study = _study_file(tmp_path / "s.yaml", "s", ["ddcl"], {"name": "image_folder", "root": str(root),
+                                                            "image_size": 32})
+    out = tmp_path / "report"
+    assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 2  # no images yet: the arm fails
+    assert "ddcl: FAILED" in capsys.readouterr().out
+    error = out / "runs" / "ddcl" / "study_error.txt"
+    assert error.is_file() and "Traceback" in error.read_text()
+    g = np.random.default_rng(0)
+    for split, n in (("train", 40), ("test", 8)):
+        (root / split / "a").mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray((g.random((32, 32, 3)) * 255).astype(np.uint8)).save(root / split / "a" / f"{i}.png")
+    assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0
+    assert not error.exists() and (out / "runs" / "ddcl" / "eval.json").is_file()
+
+
+def test_an_empty_arm_selection_is_refused(tmp_path, capsys):
+    """Issue 40, rough edge: study --arms ',' ran every arm."""
+    study = _study_file(tmp_path / "s.yaml", "s", ["ddcl", "hard"])
+    for arms in (",", " , ", ""):
+        assert study_main(["--config", str(study), "--quick", "--out", str(tmp_path / "out"), "--arms", arms]) == 2
+        assert f"ddcl-vq study: error: option --arms: expected at least one value, got {arms!r}" in \
+            capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
     util = load_study(ROOT / "configs" / "study_utilization.yaml")
     names = [a.name for a in util.arms]

@@ -504,9 +504,9 @@ def test_tokenize_of_an_image_folder_export_says_the_export_does_not_record_the_
     """Rough edge: tokenize of an image-folder export without data.root gave no hint that the export does not
     record where the folder is."""
     run = tmp_path / "run"
-    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["data.name=image_folder", f"data.root={colour_folder}",
-                                                                 "data.image_size=32", "data.batch_size=4",
-                                                                 "train.steps=1", f"run.dir={run}"]), quiet=True)
+    overrides = ["data.name=image_folder", f"data.root={colour_folder}", "data.image_size=32", "data.batch_size=4",
+                 "train.steps=1", f"run.dir={run}"]
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + overrides), quiet=True)
     export_run(run, tmp_path / "exp")
     monkeypatch.chdir(tmp_path)  # no ./data here
     argv = ["tokenize", str(tmp_path / "exp"), "--split", "test", "--quiet"]
@@ -525,3 +525,36 @@ def test_a_run_evaluated_on_images_of_other_channels_says_so(run, colour_folder,
     line = one_error_line(capsys, "evaluate")
     assert "holds a model of 1-channel images, the model built from the config takes 3-channel images" in line
     assert "number of codes" not in line
+
+
+def test_compare_lists_a_run_given_twice_once_with_a_note(run, tmp_path, capsys):
+    """Rough edge: compare R R listed one run twice."""
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", str(run), f"{run}/", str(run.parent / ".." / run.parent.name / run.name), "--out",
+                     str(out), "--max-images", "8", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"is the run '{run}' again; compared once") == 2, err
+    assert len(json.loads((out / "table.json").read_text())["rows"]) == 1
+
+
+def test_prior_sample_refuses_a_count_the_machine_cannot_hold_with_the_figure(run, tmp_path, capsys):
+    """Rough edge: prior sample --count 100000000 had no up-front limit (1.8 GB after 25 s, silently)."""
+    import time
+
+    tokens = tmp_path / "t.npy"
+    assert cli.main(["tokenize", str(run), "--split", "test", "--max-images", "64", "--out", str(tokens),
+                     "--quiet"]) == 0
+    prior = tmp_path / "prior"
+    assert cli.main(["prior", "train", str(run), "--tokens", str(tokens), f"run.dir={prior}", "train.steps=1",
+                     "train.batch_size=8", "model.dim=16", "model.layers=1", "model.heads=2", "train.eval_images=0",
+                     "train.device=cpu", "--quiet"]) == 0
+    start = time.time()
+    assert cli.main(["prior", "sample", str(prior), "--count", "100000000", "--out", str(tmp_path / "s.png"),
+                     "--device", "cpu"]) == 2
+    line = one_error_line(capsys, "prior sample")
+    assert "--count 100,000,000: the codes, decoded images and PNG grid need about" in line and "GB" in line, line
+    assert "this machine has" in line and "sample fewer (--count" in line
+    assert time.time() - start < 30 and not (tmp_path / "s.png").exists()
+    assert cli.main(["prior", "sample", str(prior), "--count", "4", "--out", str(tmp_path / "s.png"),
+                     "--device", "cpu"]) == 0  # a count that fits is sampled as before
+    assert np.load(tmp_path / "s.npy").shape == (4, 8, 8)

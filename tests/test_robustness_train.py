@@ -525,3 +525,17 @@ def test_whole_numbers_in_exponent_notation_are_integers(tmp_path, capsys):
     assert opts.parse(["--count", "1e3"]).count == 1000
     with pytest.raises(ConfigError, match="option --count: expected an integer, got '1.5e0'"):
         opts.parse(["--count", "1.5e0"])
+
+
+def test_non_finite_option_values_are_refused(capsys):
+    """Rough edge: prior sample --temperature inf was accepted (every command's float options now say no)."""
+    from ddcl_vq.eval import cli
+
+    for value in ("inf", "-inf", "nan", "1e999"):
+        assert cli.main(["prior", "sample", "no/such/prior", "--count", "4", "--out", "s.png",
+                         f"--temperature={value}"]) == 2
+        line = one_error_line(capsys, "prior sample")
+        assert "option --temperature: expected a finite number, got" in line or \
+            "option --temperature: expected a value >= 0" in line, line
+    assert cli.main(["prior", "evaluate", "no/such/prior", "--temperature", "inf"]) == 2
+    assert "option --temperature: expected a finite number, got inf" in one_error_line(capsys, "prior evaluate")

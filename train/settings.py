@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -350,6 +351,8 @@ class Options:
         if origin in (list, List):
             sep = self.meta(name).get("sep")
             items = [s.strip() for s in raw.split(sep) if s.strip()] if sep and isinstance(raw, str) else list(raw)
+            if sep and isinstance(raw, str) and not items:  # --arms ',' is no selection, not "every arm"
+                raise ConfigError(f"{self.label(name)}: expected at least one value, got {raw!r}")
             return [self._scalar(name, s, args[0] if args else str) for s in items]
         return self._scalar(name, raw, annotation)
 
@@ -377,5 +380,10 @@ class Options:
     def make(self, **values: Any) -> Any:
         """A validated ``cls`` instance from typed values (what ``parse`` does after reading argv)."""
         obj = self.cls(**{k: coerce(k, v, self.hints[k], self.label) for k, v in values.items()})
+        for name in values:  # inf or nan is never a setting (--temperature inf); "no limit" options use 0 or None
+            items = getattr(obj, name) if isinstance(getattr(obj, name), list) else [getattr(obj, name)]
+            bad = [v for v in items if isinstance(v, float) and not math.isfinite(v)]
+            if bad:
+                raise ConfigError(f"{self.label(name)}: expected a finite number, got {bad[0]!r}")
         check(obj, self.rules, self.label)
         return obj

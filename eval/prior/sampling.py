@@ -67,6 +67,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     if decoder.quantizer.num_codes != model.num_codes:
         raise SampleError(f"the tokenizer {source!r} has K = {decoder.quantizer.num_codes} codes, the prior "
                           f"K = {model.num_codes}")
+    check_memory(model, decoder, count, device)
     labels = sample_labels(model, count, klass)
     t0 = time.perf_counter()
     codes = sample_codes(model, count, labels, temperature, top_k, seed, device=device)
@@ -81,6 +82,30 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     return {"out": str(out), "tokens": str(tokens_path), "count": count, "grid": [model.height, model.width],
             "step": meta["step"], "seconds": seconds, "tokens_per_second": count * model.length / max(seconds, 1e-9),
             "classes": None if labels is None else sorted(set(labels.tolist()))}
+
+
+def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
+    """Refuse, before sampling, a ``count`` whose codes, decoded images and PNG grid (all held at once) need
+    more memory than this machine has available; the message gives both figures."""
+    from ddcl_vq.eval.tokens.decode import decode_indices
+    from ddcl_vq.train.memory import available_bytes
+
+    one = decode_indices(decoder, np.zeros((1, model.height, model.width), np.int64), device=device)
+    per_map = 8 * model.length + 2 * 4 * one[0].numel()  # int64 codes; float32 images and their grid
+    need, free = count * per_map, available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        fits = max(free // per_map // 2, 1)
+        raise SampleError(f"--count {count:,}: the codes, decoded images and PNG grid need about {_size(need)} of "
+                          f"memory at once, this machine has {_size(free)} available; sample fewer (--count "
+                          f"{fits:,} fits with room to spare; other --seed values give other samples)")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"  # pragma: no cover
 
 
 def time_sampling(model: CodePrior, count: int = 64, use_cache: bool = True, repeats: int = 1,

@@ -144,10 +144,15 @@ def run_parts(study: Study, train_arms: bool = True, progress: bool = True, verb
     """Every part of ``study`` as a study of its own (:func:`part_study`, :func:`~.run.run_study`), its
     held-out evaluation (:func:`compare_heldout`), then OUT/report.md and OUT/study.json.
     -> {"parts": [...], "failed", "unfinished", "summary": the report's tables as text}."""
-    from .run import StudyError, run_study
+    from .run import StudyError, check_out, check_run_dir, claim_out, run_study
 
+    check_out(study)  # before anything trains: OUT and every part's folder
+    for part in study.parts:
+        check_out(part_study(study, part))
+    for arm in study.arms:
+        check_run_dir(arm)
     started, date_start = time.time(), _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    study.out.mkdir(parents=True, exist_ok=True)
+    claim_out(study)
     failed: Dict[str, str] = {}
     unfinished: List[str] = []
     parts: List[Dict] = []

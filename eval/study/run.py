@@ -60,6 +60,39 @@ def check_run_dir(arm: Arm) -> None:
                          f"({'; '.join(diff[:4])}); delete that directory or choose another --out")
 
 
+#: written into a study's output folder before anything trains: the study it belongs to (JSON {"study", "config"})
+OWNER_FILE = ".ddcl-vq-study"
+
+
+def out_owner(out: Path) -> Optional[str]:
+    """The name of the study whose output folder ``out`` is (its owner file, else the study.json of a finished
+    study), or None for a new folder."""
+    for name in (OWNER_FILE, "study.json"):
+        try:
+            found = json.loads((out / name).read_text()).get("study")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str):
+            return found
+    return None
+
+
+def check_out(study: Study) -> None:
+    """Refuse, before anything trains, an output folder that holds another study (its runs, report and
+    table would be mixed with this one's: a partial report, a table of both)."""
+    owner = out_owner(study.out)
+    if owner is not None and owner != study.name:
+        raise StudyError(f"study {study.name!r}: the output folder {str(study.out)!r} holds the study {owner!r} "
+                         f"(its runs, report and table); choose another --out")
+
+
+def claim_out(study: Study) -> None:
+    """Create the output folder and record that it is this study's (after :func:`check_out`)."""
+    study.out.mkdir(parents=True, exist_ok=True)
+    if not (study.out / OWNER_FILE).is_file():
+        (study.out / OWNER_FILE).write_text(json.dumps({"study": study.name, "config": str(study.path)}) + "\n")
+
+
 def arm_status(arm: Arm) -> str:
     step = checkpoint_step(Path(arm.config.run.dir))
     if step is None:
@@ -138,6 +171,7 @@ class StudyRun:
             self.fail(arm, f"evaluation: {_first_line(err)}", traceback.format_exc())
             return
         self.done[arm.name] = result
+        (Path(arm.config.run.dir) / "study_error.txt").unlink(missing_ok=True)  # an earlier failure's, now stale
         self.say(f"{arm.name}: {'' if trained else 'already trained; '}PSNR hard "
                  f"{result['recon']['hard']['psnr']:.2f} dB, utilization {result['codebook']['utilization']:.1%}, "
                  f"perplexity {result['codebook']['perplexity']:.1f}")
@@ -237,9 +271,10 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
     with ``threads`` (default 1) intra-op threads; with one job arms train in this process with
     ``threads`` (default: automatic, :mod:`ddcl_vq.train.threads`). Evaluation stays in this process.
     """
-    for arm in study.arms:  # before anything trains
+    check_out(study)  # before anything trains
+    for arm in study.arms:
         check_run_dir(arm)
-    study.out.mkdir(parents=True, exist_ok=True)
+    claim_out(study)
     started, date_start, machine_start = time.time(), _now(), describe_machine()
     run = StudyRun(study, progress)
     try:
