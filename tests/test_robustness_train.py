@@ -539,3 +539,22 @@ def test_non_finite_option_values_are_refused(capsys):
             "option --temperature: expected a value >= 0" in line, line
     assert cli.main(["prior", "evaluate", "no/such/prior", "--temperature", "inf"]) == 2
     assert "option --temperature: expected a finite number, got inf" in one_error_line(capsys, "prior evaluate")
+
+
+def test_init_from_a_path_that_is_not_an_export_says_what_it_is(tmp_path, capsys):
+    """Rough edge: train.init_from=/no/such/dir printed the Hugging Face Hub's repo-id validation text."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {name: r}\n")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {"/no/such/dir": "no such folder here, and not a Hugging Face Hub id (user/name) either",
+             str(run): "is a run directory, not an exported model: export it first",
+             str(tmp_path / "a_file"): "is a file; expected a folder written by ddcl-vq export",
+             str(tmp_path / "empty"): "is a folder without config.json"}
+    for source, message in cases.items():
+        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), *TINY, "train.steps=1",
+                           f"train.init_from={source}", f"run.dir={tmp_path / 'new'}"]) == 2
+        line = one_error_line(capsys)
+        assert f"train.init_from '{source}'" in line and message in line and "Repo id" not in line, line
+    assert not (tmp_path / "new").exists()

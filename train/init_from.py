@@ -10,6 +10,8 @@ resumes from it and ignores ``init_from``.
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
@@ -24,6 +26,30 @@ NEW_RUN_STATE = ("quantizer.schedule", "quantizer.schedule_step", "quantizer.rev
 CONFIG_KEYS = {"quantizer_type": "quantizer.type", "quantizer_kwargs.num_codes": "quantizer.num_codes",
                "quantizer_kwargs.dim": "model.latent_dim", "encoder_kwargs.in_channels": "data.name (channels)",
                "arch": "model.arch"}
+
+
+#: what a Hugging Face Hub model id looks like (``user/name``), as opposed to a local path
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _check_source(source: str, where: str) -> str:
+    """Say plainly what ``source`` is not, before asking the Hub (whose errors are about repo-id syntax);
+    -> how the error of a failed load should describe it."""
+    path = Path(source)
+    if path.is_dir():
+        if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+            raise ConfigError(f"{where} is a run directory, not an exported model: export it first (ddcl-vq export "
+                              f"{source} OUT_DIR) and give train.init_from=OUT_DIR")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{where} is a folder without config.json: not an exported model (ddcl-vq export "
+                              "writes config.json + model.safetensors)")
+        return ""
+    if path.exists():
+        raise ConfigError(f"{where} is a file; expected a folder written by ddcl-vq export (or its Hub id)")
+    if not HUB_ID.match(source):
+        raise ConfigError(f"{where}: no such folder here, and not a Hugging Face Hub id (user/name) either; give "
+                          "the folder ddcl-vq export wrote, or its Hub id")
+    return " (not a folder here, so read as a Hugging Face Hub id)"
 
 
 def _flat(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -53,12 +79,14 @@ def init_from_export(model: nn.Module, source: str) -> None:
     from ddcl_vq.models import VQVAE
 
     where = f"train.init_from {source!r}"
+    read_as = _check_source(str(source), where)
     try:
         with torch.random.fork_rng(devices=[]):  # building it draws initial weights: not from the run's RNG stream
             exported = VQVAE.from_pretrained(source)
     except Exception as err:  # noqa: BLE001 - files, JSON, Hub: every failure is the user's to fix
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise ConfigError(f"{where}: cannot load it as an exported model ({type(err).__name__}: {first})") from None
+        raise ConfigError(f"{where}{read_as}: cannot load it as an exported model ({type(err).__name__}: "
+                          f"{first})") from None
     state, own = exported.state_dict(), model.state_dict()
     misfit = sorted(k for k in set(state) | set(own)
                     if k not in state or k not in own or state[k].shape != own[k].shape)
