@@ -66,9 +66,13 @@ class FSQQuantizer(Quantizer):
         if levels is None:
             chosen, exact = fsq_levels(num_codes)
             if not exact:
-                warnings.warn(f"FSQ: no levels in the FSQ paper's table for K = {num_codes}; using "
-                              f"{list(chosen)} (grid size {math.prod(chosen)}, the closest entry); pass levels "
-                              "to choose the grid", stacklevel=2)
+                size = math.prod(chosen)
+                ratio = (f" ({size / num_codes:.3g}x the {num_codes} asked for)"
+                         if not 0.5 <= size / num_codes <= 2 else "")
+                warnings.warn(f"FSQ: K = {num_codes} is not in the FSQ paper's table of levels (K = "
+                              f"{', '.join(map(str, FSQ_LEVELS))}); using the entry whose grid size is nearest, "
+                              f"{list(chosen)} = {size} codes{ratio}; pass levels (quantizer.fsq_levels in a "
+                              "config) to choose the grid", stacklevel=2)
             levels = chosen
         levels = list(levels)
         min_level = 2 if fsq_kwargs.get("preserve_symmetry") else 3

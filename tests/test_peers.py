@@ -179,6 +179,27 @@ def test_state_dict_round_trip(name):
     assert torch.equal(a.codebook, b.codebook)
 
 
+def test_fsq_without_a_table_entry_warns_once_in_one_clear_line(tmp_path):
+    """Issue 40, rough edge: FSQ with K = 7 called 240 "the closest entry" and printed a raw UserWarning twice
+    (the memory check builds the model on the meta device, then the training builds it)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--config", str(ROOT / "configs/fashion_ddcl.yaml"),
+                           "--quiet", *TINY_MODEL, "quantizer.type=fsq", "quantizer.num_codes=7", "data.batch_size=16",
+                           "train.steps=1", "train.eval_images=0", f"run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert err == ["ddcl-vq train: warning: FSQ: K = 7 is not in the FSQ paper's table of levels (K = 256, 1024, "
+                   "4096, 16384, 65536); using the entry whose grid size is nearest, [8, 6, 5] = 240 codes (34.3x "
+                   "the 7 asked for); pass levels (quantizer.fsq_levels in a config) to choose the grid"], err
+    with pytest.warns(UserWarning, match="K = 300 is not in the FSQ paper's table") as caught:
+        FSQQuantizer(300, 8)  # 240 codes, within 2x of K: no ratio; the library still warns as Python does
+    assert "asked for" not in str(caught[0].message) and "[8, 6, 5] = 240 codes;" in str(caught[0].message)
+
+
 def test_config_keys_build_the_peers():
     from ddcl_vq.train.builders import build_quantizer, quantizer_kwargs
     from ddcl_vq.train.config import ConfigError, load_config

@@ -553,7 +553,7 @@ def test_init_from_a_path_that_is_not_an_export_says_what_it_is(tmp_path, capsys
              str(tmp_path / "a_file"): "is a file; expected a folder written by ddcl-vq export",
              str(tmp_path / "empty"): "is a folder without config.json"}
     for source, message in cases.items():
-        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), *TINY, "train.steps=1",
+        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), "--quiet", *TINY, "train.steps=1",
                            f"train.init_from={source}", f"run.dir={tmp_path / 'new'}"]) == 2
         line = one_error_line(capsys)
         assert f"train.init_from '{source}'" in line and message in line and "Repo id" not in line, line

@@ -6,11 +6,13 @@ dataset, an unreadable checkpoint, a run directory that cannot be evaluated, ...
 UserError — or an OSError or refused allocation from the machine (a full disk, a path that cannot
 be written, out of memory) — into one line, ``ddcl-vq CMD: error: <message>``, and exit status 2;
 ``--debug`` (any command) shows the traceback instead. Anything else is a bug and keeps its traceback.
+The toolkit's own warnings are printed as one line, ``ddcl-vq CMD: warning: <message>``.
 """
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Callable, List, Optional
 
 #: the option every command accepts: errors are raised with their traceback instead of one line
@@ -65,6 +67,17 @@ def out_of_memory(err: BaseException) -> bool:
             or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)))
 
 
+def _one_line_warnings(prog: str, formatwarning: Callable) -> Callable:
+    """A ``warnings.formatwarning`` that writes the toolkit's own warnings as one line, ``PROG: warning: ...``
+    (Python's form is two: the file and line, then the source line); other warnings as ``formatwarning`` does."""
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if "/ddcl_vq/" in str(filename).replace(chr(92), "/"):
+            return f"{prog}: warning: {message}\n"
+        return formatwarning(message, category, filename, lineno, line)
+    return format_warning
+
+
 def entry_point(prog: str) -> Callable:
     """Decorator for a command's ``main(argv) -> int``: UserError or OSError -> ``PROG: error: ...``
     on stderr, exit status 2; ``--debug`` anywhere in argv: the traceback instead."""
@@ -76,6 +89,8 @@ def entry_point(prog: str) -> Callable:
             debug = DEBUG_FLAG in args
             if debug:
                 args = [a for a in args if a != DEBUG_FLAG]
+            formatwarning = warnings.formatwarning
+            warnings.formatwarning = _one_line_warnings(prog, formatwarning)
             try:
                 return main(args if (debug or argv is not None) else None)
             except Stopped as stop:  # not an error: the checkpoint is saved, the same command resumes
@@ -98,6 +113,8 @@ def entry_point(prog: str) -> Callable:
                 print(f"{prog}: error: out of memory ({one_line(err)}); ask for less (a smaller model, codebook or "
                       f"batch) or free memory ({DEBUG_FLAG} shows the traceback)", file=sys.stderr)
                 return 2
+            finally:
+                warnings.formatwarning = formatwarning
         return run
 
     return wrap

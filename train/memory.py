@@ -10,6 +10,7 @@ passes may still need more (activations, the allocator's slack); one it refuses 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -52,7 +53,8 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
         from ddcl_vq.assignment import BLOCK_LIVE_TENSORS, block_rows
     from .builders import build_model
 
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the model's build warns about, the real build says (once)
         model = build_model(cfg, in_channels)  # shapes only: nothing is allocated
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
