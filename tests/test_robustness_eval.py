@@ -558,3 +558,7 @@ def test_prior_sample_refuses_a_count_the_machine_cannot_hold_with_the_figure(ru
     assert cli.main(["prior", "sample", str(prior), "--count", "4", "--out", str(tmp_path / "s.png"),
                      "--device", "cpu"]) == 0  # a count that fits is sampled as before
     assert np.load(tmp_path / "s.npy").shape == (4, 8, 8)
+    (tmp_path / "a_file").write_text("x")  # a file in the way of --out's folder: named before sampling
+    assert cli.main(["prior", "sample", str(prior), "--count", "4", "--out", str(tmp_path / "a_file" / "s.png"),
+                     "--device", "cpu"]) == 2
+    assert f"'{tmp_path / 'a_file'}' is a file, not a folder" in one_error_line(capsys, "prior sample")

@@ -51,7 +51,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     from torchvision.utils import save_image
 
     from ddcl_vq.eval.tokens.decode import decode_indices
-    from ddcl_vq.eval.tokens.files import index_dtype, write_tokens
+    from ddcl_vq.eval.tokens.files import check_out, index_dtype, write_tokens
 
     from .data import load_tokenizer
     from ddcl_vq.train.prior import load_prior
@@ -59,6 +59,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise SampleError(f"expected --out to end in .png, got {str(out)!r}")
+    check_out(out, "--out")  # a folder in its place, or a file in the way of its folder: before sampling
     if count <= 0:
         raise SampleError(f"--count: expected a number > 0, got {count}")
     cfg, model, meta = load_prior(prior_dir, device)
