@@ -296,23 +296,39 @@ def test_config_choices_are_what_the_quantizers_accept():
             load_config(None, [f"quantizer.type={qtype}", f"{key}=not_a_choice"])
 
 
-def test_threads_default_does_not_oversubscribe_and_the_setting_is_checked():
-    """train.threads (and every heavy command's --threads): null = OMP_NUM_THREADS when set, else half
-    the cores, at most 4, shared among a launcher's local processes; a set value is applied as it is."""
+def test_automatic_threads_use_the_idle_cores_and_the_setting_is_checked():
+    """train.threads (and every heavy command's --threads): null = OMP_NUM_THREADS when set, one per
+    process under a launcher, else the idle physical cores (at most 4); a set value is applied as it is."""
+    import subprocess
+
     import torch
 
-    from ddcl_vq.train.threads import AUTO_MAX, auto_threads, set_threads
+    from ddcl_vq.train.threads import AUTO_MAX, auto_threads, busy_cpus, set_threads, usable_cpus
 
-    assert auto_threads({"OMP_NUM_THREADS": "3"}, cores=64) == 3
-    assert [auto_threads({}, cores=c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, AUTO_MAX]
-    assert auto_threads({"LOCAL_WORLD_SIZE": "2"}, cores=16) == 2 and auto_threads({"LOCAL_WORLD_SIZE": "8"}, 4) == 1
+    assert auto_threads({"OMP_NUM_THREADS": "3"}, cores=64)[0] == 3
+    assert auto_threads({"LOCAL_WORLD_SIZE": "2"}, cores=16) == (1, "one per process, 2 processes on this machine")
+    assert [auto_threads({}, cores=c, busy=0.0)[0] for c in (1, 2, 3, 4, 8, 64)] == [1, 2, 3, 4, AUTO_MAX, AUTO_MAX]
+    n, why = auto_threads({}, cores=2, busy=0.9)
+    assert n == 1 and why == "1 of 2 cores busy with other work"
+    assert auto_threads({}, cores=2, busy=2.0)[0] == 1 and auto_threads({}, cores=2, busy=0.3)[0] == 2
+    assert auto_threads({}, cores=8, busy=None) == (4, "half the 8 cores (their load cannot be read here)")
+    # a process that keeps one CPU busy is seen on that CPU
+    cpu = usable_cpus()[-1]
+    burner = subprocess.Popen([sys.executable, "-c", "import os, time\nos.sched_setaffinity(0, {%d})\n"
+                               "t = time.time()\nwhile time.time() - t < 20: pass" % cpu])
+    try:
+        time.sleep(0.5)
+        assert busy_cpus([cpu], seconds=0.5) > 0.7
+    finally:
+        burner.kill()
+        burner.wait()
     assert load_config(None, []).train.threads is None
     with pytest.raises(ConfigError, match=r"config key 'train\.threads': expected a value > 0, got 0"):
         load_config(None, ["train.threads=0"])
     before = torch.get_num_threads()
     try:
         assert set_threads(1) == 1 and torch.get_num_threads() == 1
-        assert set_threads(None) == auto_threads() == torch.get_num_threads()
+        assert 1 <= set_threads(None) == torch.get_num_threads() <= AUTO_MAX
     finally:
         torch.set_num_threads(before)
 

@@ -21,8 +21,9 @@ a schedule is refused (more train.steps, logging and checkpoint intervals may ch
 --config RUN_DIR/config.yaml continues a run as it was. One training at a time per run
 directory (RUN_DIR/train.lock). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq.train --config ...
 
-train.threads: torch CPU threads per process (default null = auto: OMP_NUM_THREADS if set, else half
-the cores, at most 4; on a machine other jobs keep busy, train.threads=1 is often fastest).
+train.threads: torch CPU threads per process (default null = auto: OMP_NUM_THREADS if set, one per process
+under torchrun, else the cores that are idle when the run starts, at most 4; the first line says which and
+why, and a resumed run keeps the count it was trained with).
 """
 
 
@@ -73,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from .loop import teardown_distributed, train
     from .threads import set_threads
-    set_threads(cfg.train.threads)  # per process (under torchrun: each of them)
+    set_threads(cfg.train.threads)  # per process (under torchrun: each of them); the run's first line says why
     train(cfg, quiet=opts.quiet, stop_after=opts.stop_after)
     teardown_distributed()  # after success only: a barrier after a failure could hang
     return 0

@@ -163,7 +163,8 @@ class TrainConfig:
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
     threads: Optional[int] = None            # torch intra-op CPU threads per process; null = auto: OMP_NUM_THREADS
-                                             # if set, else half the cores, at most 4 (train/threads.py)
+                                             # if set, one per process under torchrun, else the idle cores, at
+                                             # most 4 (train/threads.py); a resumed run keeps its count
     init_from: Optional[str] = None          # start a new run from an exported model folder or Hub id: its weights
                                              # and codebook state, step 0 (train/init_from.py)
 

@@ -254,7 +254,8 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     """
     t = cfg.train
     run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
-                      name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict())
+                      name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(),
+                      threads=t.threads)
     try:
         with run:
             return _train(cfg, run)
@@ -268,6 +269,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
 def _train(cfg: Config, run: TrainingRun) -> Dict:
     world, device, is_main = run.world, run.device, run.is_main
     t = cfg.train
+    t_setup = time.time()
     torch.manual_seed(cfg.run.seed)
 
     found = run.latest()
@@ -322,10 +324,13 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     train_seconds = time.time() - t_start
 
     summary = {"run": str(run.dir), "step": step, "train_seconds": round(train_seconds, 1),
-               "eval_images": t.eval_images, "training_usage": log_state.recent_stats}
+               "eval_images": t.eval_images, "training_usage": log_state.recent_stats,
+               "seconds": {"setup": round(t_start - t_setup, 1), "train": round(train_seconds, 1)}}
     if t.eval_images > 0 and step >= t.steps:
         try:
+            t_eval = time.time()
             summary.update(end_of_run_evaluation(model, test_set, cfg, device))
+            summary["seconds"]["evaluate"] = round(time.time() - t_eval, 1)
         except Exception as err:
             if is_main:
                 summary["evaluation_error"] = f"{type(err).__name__}: {one_line(err)}"
@@ -356,6 +361,9 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
     if gan is not None:
         gan.autocast, log.extra_stats = autocast, gan.log_stats
 
+    if run.is_main and not run.quiet and device.type == "cpu":
+        from .threads import chosen
+        print(f"threads: {torch.get_num_threads()} ({chosen or 'set'}; train.threads sets it)", file=sys.stderr)
     ddp_model.train()
     for step, (images, _) in run.steps(batches, step):
         x = images.to(device, non_blocking=True)
@@ -383,6 +391,13 @@ def format_summary(summary: Dict, run_dir: Path) -> str:
                          f"{r['queue_indices']:,} (uniform ceiling {r['queue_ceiling']:.1%}), per-batch "
                          f"{r['batch_utilization']:.1%} (ceiling {r['batch_ceiling']:.1%})")
         lines.append("definitions:\n  " + USAGE_DEFINITIONS.replace("\n", "\n  "))
+    seconds = summary.get("seconds") or {}
+    if seconds:
+        parts = [f"{what} {seconds[key]:.0f} s" for key, what in (("setup", "set-up (data, model)"),
+                                                                   ("train", "training"),
+                                                                   ("evaluate", "test-set evaluation"))
+                 if key in seconds]
+        lines.append(f"time: {', '.join(parts)}; {sum(seconds.values()):.0f} s in all")
     from .hints import tensorboard_hint, tool, where
     lines.append(f"TensorBoard: {tensorboard_hint(run_dir / 'tb')}")
     lines.append(f"full evaluation (SSIM, LPIPS): {tool('ddcl-vq')} evaluate {where(run_dir)}")

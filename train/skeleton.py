@@ -170,15 +170,19 @@ class TrainingRun:
     last.pt, also written at the last step; log_every: what ``log`` callers use with ``due``;
     name: the progress line's label; device: "auto" | "cpu" | "cuda"; quiet: no progress;
     stop_after: leave after this many steps of this session, with a checkpoint; config: the
-    resolved config saved in every checkpoint; extra: more plain values saved in every checkpoint."""
+    resolved config saved in every checkpoint; extra: more plain values saved in every checkpoint;
+    threads: the configured CPU threads (None: automatic — then a resumed run takes the count its
+    checkpoint was trained with, so that it continues the straight run bit for bit)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, checkpoint_every: int, log_every: int, name: str,
                  device: str = "auto", quiet: bool = False, stop_after: Optional[int] = None,
-                 config: Optional[Dict] = None, extra: Optional[Dict] = None, env: Optional[Dict] = None):
+                 config: Optional[Dict] = None, extra: Optional[Dict] = None, env: Optional[Dict] = None,
+                 threads: Optional[int] = None):
         self.dir = check_run_dir_setting(str(run_dir))
         self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
         self.name, self.quiet, self.stop_after = name, quiet, stop_after
         self.config, self.extra = config or {}, dict(extra or {})
+        self.threads = threads
         self.env = env if env is not None else setup_distributed(device)
         self.rank, self.world, self.device = self.env["rank"], self.env["world"], self.env["device"]
         self.is_main = self.rank == 0
@@ -226,8 +230,13 @@ class TrainingRun:
                 load_into(part, state[name], path, name)
         set_rng_state(state["rng"], self.device)
         step = self.step = int(state["step"])
+        saved = state.get("threads")
+        same = ""
+        if self.threads is None and self.device.type == "cpu" and saved and saved != torch.get_num_threads():
+            torch.set_num_threads(int(saved))  # the count the run was trained with: the same bits
+            same = f" with the {saved} thread{'s' if saved > 1 else ''} it was trained with"
         if announce and self.is_main and not self.quiet:
-            print(f"resuming {self.dir} from {path.name} at step {step}", file=sys.stderr)
+            print(f"resuming {self.dir} from {path.name} at step {step}{same}", file=sys.stderr)
         return step
 
     def save(self, step: int, periodic: bool = False) -> None:
@@ -242,7 +251,8 @@ class TrainingRun:
         self._saved_at = step
         if not self.is_main:
             return
-        state = {**states, **self.extra, "step": step, "rng": rng_state(self.device), "config": self.config}
+        state = {**states, **self.extra, "step": step, "rng": rng_state(self.device), "config": self.config,
+                 "threads": torch.get_num_threads()}
         save_checkpoint(state, self.dir / "checkpoints" / "last.pt")
         if periodic:
             save_checkpoint(state, self.dir / "checkpoints" / f"step_{step:07d}.pt")

@@ -67,7 +67,7 @@ from ddcl_vq.train.yamlfile import read_yaml_mapping
 QUICK_OVERRIDES = [
     "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
     "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",
-    "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0",
+    "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0", "loss.disc_start=2",
 ]
 QUICK_EVAL = {"max_images": 64, "grid_images": 4}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
