@@ -20,9 +20,9 @@ COMMANDS = {
     "study": ("ddcl_vq.eval.study.cli", "train, evaluate and compare every arm of a study config"),
     "bench": ("ddcl_vq.eval.bench.cli", "quantizer speed and memory, side by side with the peers"),
     "readout-study": ("ddcl_vq.eval.readout.cli", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
-    "export": ("ddcl_vq.eval.tokens.export", "a run -> a model folder (config.json + safetensors) for VQVAE.from_pretrained"),
-    "tokenize": ("ddcl_vq.eval.tokens.tokenize_split", "a dataset split -> hard code indices (.npy / safetensors) for a prior"),
-    "decode": ("ddcl_vq.eval.tokens.decode", "code indices (.npy / safetensors) -> a PNG grid of decoded images"),
+    "export": ("ddcl_vq.eval.use.export", "a run -> a model folder (config.json + safetensors) for VQVAE.from_pretrained"),
+    "tokenize": ("ddcl_vq.eval.use.tokenize_split", "a dataset split -> hard code indices (.npy / safetensors) for a prior"),
+    "decode": ("ddcl_vq.eval.use.decode", "code indices (.npy / safetensors) -> a PNG grid of decoded images"),
     "prior": ("ddcl_vq.eval.prior.cli", "a transformer prior over the codes: train, sample (-> images), evaluate, study"),
 }
 

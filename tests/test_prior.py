@@ -17,7 +17,7 @@ from ddcl_vq.eval.prior.classifier import frechet_distance
 from ddcl_vq.train.prior_config import PriorConfig, load_prior_config
 from ddcl_vq.eval.prior.data import PriorData, load_tokens
 from ddcl_vq.train.prior import load_prior, nll_bits, train_prior
-from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
+from ddcl_vq.eval.use.tokenize_split import tokenize_run
 from ddcl_vq.models.prior import CodePrior
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.loop import train

@@ -18,10 +18,10 @@ import torch
 
 from ddcl_vq.eval import cli
 from ddcl_vq.eval.evaluate import load_run
-from ddcl_vq.eval.tokens.decode import decode_indices
-from ddcl_vq.eval.tokens.export import export_run
-from ddcl_vq.eval.tokens.files import index_dtype, read_tokens
-from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
+from ddcl_vq.eval.use.decode import decode_indices
+from ddcl_vq.eval.use.export import export_run
+from ddcl_vq.eval.use.files import index_dtype, read_tokens
+from ddcl_vq.eval.use.tokenize_split import tokenize_run
 from ddcl_vq.models import VQVAE
 from ddcl_vq.train.builders import quantizer_kwargs
 from ddcl_vq.train.config import load_config

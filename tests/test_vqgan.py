@@ -262,8 +262,8 @@ def test_four_step_vqgan_training_resumes_to_identical_weights(tmp_path):
 
 
 def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
-    from ddcl_vq.eval.tokens import export as export_cmd
-    from ddcl_vq.eval.tokens.export_diffusers import DECODE_ATOL
+    from ddcl_vq.eval.use import export as export_cmd
+    from ddcl_vq.eval.use.export_diffusers import DECODE_ATOL
     from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.train.loop import train
 
@@ -311,8 +311,8 @@ def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
 
 
 def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
-    from ddcl_vq.eval.tokens.export import ExportError
-    from ddcl_vq.eval.tokens.export_diffusers import export_diffusers
+    from ddcl_vq.eval.use.export import ExportError
+    from ddcl_vq.eval.use.export_diffusers import export_diffusers
     from ddcl_vq.train.loop import train
 
     run = tmp_path / "run"
@@ -326,7 +326,7 @@ def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
 def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_code(tmp_path, capsys):
     """Issue 40, item 1: an FSQ VQGAN exported to diffusers was another model (its nearest-code search agreed
     on 5% of codes) and the command exited 0; now refused up front, nothing written."""
-    from ddcl_vq.eval.tokens import export as export_cmd
+    from ddcl_vq.eval.use import export as export_cmd
     from ddcl_vq.train.loop import train
 
     run = tmp_path / "run"
@@ -344,7 +344,7 @@ def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_cod
 def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
     """Issue 40, item 1: the agreement check counts every position where diffusers' nearest-code search picks
     another code than the run, unless both codes are at the same distance (a tie up to float32 rounding)."""
-    from ddcl_vq.eval.tokens.export_diffusers import untied_disagreements
+    from ddcl_vq.eval.use.export_diffusers import untied_disagreements
 
     codebook = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     z = torch.tensor([[1.0, 0.0], [0.1, 0.0], [0.0, 2.9]])  # a tie between codes 0 and 1, then codes 0 and 2
@@ -361,7 +361,7 @@ def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
 def test_export_overwrite_leaves_one_model_and_files_readable_like_any_other(tmp_path):
     """Issue 40, rough edge: export --format diffusers --overwrite over an earlier export left its
     model.safetensors beside the new weights, and diffusers' weights were written 0600."""
-    from ddcl_vq.eval.tokens import export as export_cmd
+    from ddcl_vq.eval.use import export as export_cmd
     from ddcl_vq.train.loop import train
 
     run = tmp_path / "run"

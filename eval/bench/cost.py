@@ -27,6 +27,7 @@ IMPLS = {
     "hardvq": "HardVQ (argmin + straight-through)",
     "emavq": "EMAVQ (EMA codebook)",
     "vqp": "vector-quantize-pytorch VectorQuantize (defaults)",
+    "ibq": "IBQ (index backpropagation: hard forward, softmax gradient into every code; published settings)",
 }
 
 
@@ -46,6 +47,7 @@ COST = {
     "hardvq": (1.0, 7.5, 3.0),
     "emavq": (1.0, 8.0, 3.0),
     "vqp": (2.0, 15.0, 6.0),
+    "ibq": (5.0, 40.0, 0.2),             # blocked: logits recomputed, softmax and its tempered twin both ways
 }
 
 

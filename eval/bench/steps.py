@@ -60,7 +60,7 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
             torch.mm(q.t(), gr, out=out_kd)    # backward: Qᵀ·G
         return step
 
-    from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, VQPQuantizer
+    from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, IBQQuantizer, VQPQuantizer
     one = torch.ones((), device=device)
     z, gr = inp.z, inp.grad
     if name == "ddcl-first":
@@ -92,6 +92,9 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         quant.embed.copy_(inp.codebook.cpu())
     elif name == "vqp":
         quant = VQPQuantizer(k, d, channel_dim=-1)
+    elif name == "ibq":
+        quant = IBQQuantizer(k, d, channel_dim=-1)
+        quant.weight.data.copy_(inp.codebook.cpu())
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
     quant.to(device).train()

@@ -1,5 +1,5 @@
-"""What a prior trains on: token files (read by :mod:`ddcl_vq.eval.tokens.files`) and the tokenizer
-that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.eval.tokens.models`);
+"""What a prior trains on: token files (read by :mod:`ddcl_vq.eval.use.files`) and the tokenizer
+that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.eval.use.models`);
 :class:`PriorData` is what :func:`ddcl_vq.train.prior.train_prior` trains on."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from ddcl_vq.eval.tokens.decode import check_indices
-from ddcl_vq.eval.tokens.files import TokenFileError, read_tokens
+from ddcl_vq.eval.use.decode import check_indices
+from ddcl_vq.eval.use.files import TokenFileError, read_tokens
 from ddcl_vq.train.prior import PriorDataError
 
 #: the most classes a class-conditional prior is built for (its class embedding has one row per class)
@@ -152,5 +152,5 @@ def tokenizer_info(source: str | Path) -> Dict[str, Any]:
 
 
 def load_tokenizer(source: str | Path, device="cpu"):
-    from ddcl_vq.eval.tokens.models import load_model
+    from ddcl_vq.eval.use.models import load_model
     return load_model(source, device)

@@ -35,7 +35,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
     from torchvision.utils import save_image
 
-    from ddcl_vq.eval.tokens.decode import decode_indices
+    from ddcl_vq.eval.use.decode import decode_indices
 
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)

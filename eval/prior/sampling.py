@@ -50,8 +50,8 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     """Sample ``count`` maps, write their codes (OUT.npy, labels in OUT.labels.npy) and decoded grid (OUT)."""
     from torchvision.utils import save_image
 
-    from ddcl_vq.eval.tokens.decode import decode_indices
-    from ddcl_vq.eval.tokens.files import check_out, index_dtype, write_tokens
+    from ddcl_vq.eval.use.decode import decode_indices
+    from ddcl_vq.eval.use.files import check_out, index_dtype, write_tokens
 
     from .data import load_tokenizer
     from ddcl_vq.train.prior import load_prior
@@ -88,7 +88,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
 def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
     """Refuse, before sampling, a ``count`` whose codes, decoded images and PNG grid (all held at once) need
     more memory than this machine has available; the message gives both figures."""
-    from ddcl_vq.eval.tokens.decode import decode_indices
+    from ddcl_vq.eval.use.decode import decode_indices
     from ddcl_vq.train.memory import available_bytes
 
     one = decode_indices(decoder, np.zeros((1, model.height, model.width), np.int64), device=device)

@@ -180,7 +180,7 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
                     command: Optional[str] = None, report_only: bool = False) -> Dict:
     """Train (unless ``report_only``), evaluate and tabulate; -> {groups, runs, out, ...}."""
     from ddcl_vq.eval.study.run import run_study
-    from ddcl_vq.eval.tokens.tokenize_split import tokenize_run
+    from ddcl_vq.eval.use.tokenize_split import tokenize_run
 
     from ddcl_vq.train.prior_config import load_prior_config
     from .evaluation import evaluate_prior

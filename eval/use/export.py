@@ -50,7 +50,7 @@ class ExportOptions:
     out_dir: str = option(help="the model folder to write", positional=True)
     overwrite: bool = option(False, "replace the files of an earlier export in OUT_DIR")
     format: str = option("ddcl-vq", "ddcl-vq (VQVAE.from_pretrained) or diffusers (a model.arch vqgan run as a "
-                                    "plain diffusers.VQModel folder; see eval/tokens/export_diffusers.py)")
+                                    "plain diffusers.VQModel folder; see eval/use/export_diffusers.py)")
     push_to_hub: Optional[str] = option(None, "also upload OUT_DIR to this Hugging Face Hub repository "
                                                "(needs network and a token: hf auth login)", metavar="USER/NAME")
     private: bool = option(False, "with --push-to-hub: create the repository private")
