@@ -123,8 +123,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     meta = machine_info()
     rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                      budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
-                     e2e=not args.no_e2e, e2e_repeats=3 if quick else 15, e2e_warmup=1 if quick else 2,
-                     e2e_reference=not quick, vqgan=not args.no_vqgan, vqgan_repeats=3 if quick else 11,
+                     e2e=not args.no_e2e, e2e_repeats=11 if quick else 21, e2e_warmup=2,
+                     e2e_reference=not quick, vqgan=not args.no_vqgan, vqgan_repeats=5 if quick else 11,
                      vqgan_warmup=1 if quick else 2, progress=not args.no_progress, probe_warmup=quick, device=device)
     prior_rows, prior_text = [], ""
     if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.eval.prior.bench
