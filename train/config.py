@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -31,7 +30,7 @@ from ddcl_vq import ddcl as _ddcl
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
 from .data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
-from .settings import ConfigError, Rules, apply, check, did_you_mean, keys_of, leaves, nearest
+from .settings import ConfigError, Rules, apply, check, check_finite, did_you_mean, keys_of, leaves
 from .yamlfile import load_yaml_text, read_yaml_mapping  # bounded YAML (size, nesting, aliases, duplicate keys)
 
 __all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
@@ -71,8 +70,7 @@ class DataConfig:
     # natural_patches only: the scikit-image photographs of each split (train/data.py PHOTOGRAPHS; no overlap)
     train_photos: List[str] = field(default_factory=lambda: list(NATURAL_TRAIN_PHOTOS))
     test_photos: List[str] = field(default_factory=lambda: list(NATURAL_TEST_PHOTOS))
-    num_workers: Optional[int] = None       # DataLoader workers; null = auto: image_folder min(4, cores/2),
-                                             # 0 for the in-memory datasets (batches gathered in one indexing op)
+    num_workers: Optional[int] = None       # DataLoader workers; null = auto (data.resolve_workers)
     augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (seeded
                                              # random-resized crop + horizontal flip; test: centre crop)
 
@@ -104,10 +102,8 @@ PER_QUANTIZER_DEFAULT = ("decay",)
 
 
 def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
-    fields: Dict[str, Tuple[str, Any, Any]] = {
-        "type": ("type", str, field(default="ddcl")),
-        "num_codes": ("num_codes", int, field(default=512)),
-    }
+    fields: Dict[str, Tuple[str, Any, Any]] = {"type": ("type", str, field(default="ddcl")),
+                                               "num_codes": ("num_codes", int, field(default=512))}
     owners: Dict[str, str] = {}
     for qtype, cls in QUANTIZER_CLASSES.items():
         for name, annotation, f in signature_fields(cls.__init__, skip=tuple(NOT_IN_CONFIG) + PER_QUANTIZER_DEFAULT):
@@ -128,13 +124,11 @@ def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
     return list(fields.values())
 
 
-#: the quantizer section: type, num_codes, then every quantizer class's keyword arguments with its
-#: default (DDCLQuantizer's, then HardVQ's, then EMAVQ's; a shared one like beta once), decay
-#: (None: the quantizer's default) and vqp (keyword arguments for vector_quantize_pytorch.VectorQuantize)
 QuantizerConfig = dataclasses.make_dataclass("QuantizerConfig", _quantizer_fields())
 QuantizerConfig.__module__ = __name__
-QuantizerConfig.__doc__ = ("The quantizer: ``type``, ``num_codes`` (K) and the quantizer classes' keyword arguments "
-                           "with their defaults (see QUANTIZER_CLASSES).")
+QuantizerConfig.__doc__ = ("The quantizer: ``type``, ``num_codes`` (K), every quantizer class's keyword arguments with "
+                           "their defaults (see QUANTIZER_CLASSES; a shared one like beta once), decay (None: the "
+                           "quantizer's default) and the peers' keyword arguments (vqp, simvq, lfq).")
 
 
 def quantizer_keys(qtype: str) -> List[str]:
@@ -162,9 +156,8 @@ class TrainConfig:
     usage_window: int = 100                  # steps per windowed utilization / dead-code figure
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
-    threads: Optional[int] = None            # torch intra-op CPU threads per process; null = auto: OMP_NUM_THREADS
-                                             # if set, one per process under torchrun, else the idle cores, at
-                                             # most 4 (train/threads.py); a resumed run keeps its count
+    threads: Optional[int] = None            # torch intra-op CPU threads per process; null = auto
+                                             # (train/threads.py); a resumed run keeps its count
     init_from: Optional[str] = None          # start a new run from an exported model folder or Hub id: its weights
                                              # and codebook state, step 0 (train/init_from.py)
 
@@ -250,10 +243,6 @@ def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
     return keys_of(Config() if obj is None else obj, prefix)
 
 
-def _nearest(key: str) -> str:
-    return nearest(key, all_keys())
-
-
 def _unknown_key(key: str) -> ConfigError:
     if key in RENAMED:
         return ConfigError(f"config key {key!r} has moved to {RENAMED[key]!r} (the quantizer owns its "
@@ -273,10 +262,9 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
             if isinstance(target, dict):
                 target.setdefault(nname, value)
     quantizer = raw.get("quantizer")
-    if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl" and "codebook_update" not in quantizer:
-        for name, value in LEGACY_DDCL.items():  # a run from before the M-step: what it was trained with
-            quantizer.setdefault(name, value)
     if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
+        if "codebook_update" not in quantizer:  # a run from before the M-step: what it was trained with
+            quantizer.update({name: value for name, value in LEGACY_DDCL.items() if name not in quantizer})
         quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
         quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
         quantizer.setdefault("beta_final", None)  # nor a commitment ramp before it existed
@@ -284,9 +272,7 @@ def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def validate(cfg: Config) -> None:
-    for key, value in leaves(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
+    check_finite(cfg)
     check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
     check_photos(cfg.data.train_photos, cfg.data.test_photos)
     size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
@@ -389,17 +375,20 @@ def read_yaml(path: Path, what: str) -> Dict[str, Any]:
     return read_yaml_mapping(path, what)
 
 
-def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Optional[Sequence[str]] = None,
+                    unknown: Optional[Callable[[str], ConfigError]] = None) -> Dict[str, Any]:
+    """A copy of ``raw`` with every ``dotted.key=value`` override set. ``keys``, ``unknown``: the valid keys and
+    the error for another one (default: the training config's, where a quantizer.vqp/simvq/lfq keyword passes)."""
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
     raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
-    valid = set(all_keys())
+    valid = set(all_keys() if keys is None else keys)
     for text in overrides:
         key, value = parse_override(text)
         parts = key.split(".")
-        is_vqp_kwarg = len(parts) == 3 and parts[0] == "quantizer" and parts[1] in ("vqp", "simvq", "lfq")
+        is_vqp_kwarg = keys is None and len(parts) == 3 and parts[0] == "quantizer" and parts[1] in ("vqp", "simvq", "lfq")
         if key not in valid and not is_vqp_kwarg:
-            raise _unknown_key(key)
+            raise (unknown or _unknown_key)(key)
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})

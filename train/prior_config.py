@@ -8,15 +8,13 @@ land in ``data.*``, so a prior directory's ``config.yaml`` says everything it wa
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
-import yaml
-
-from ddcl_vq.train.config import parse_override, read_yaml
-from ddcl_vq.train.settings import ConfigError, Rules, apply, check, keys_of, leaves, nearest
+from ddcl_vq.train import config as _config
+from ddcl_vq.train.config import differences, dump_config  # noqa: F401 - the same for a PriorConfig
+from ddcl_vq.train.settings import ConfigError, Rules, apply, check, check_finite, keys_of, nearest
 
 
 @dataclass
@@ -89,9 +87,7 @@ def all_keys() -> List[str]:
 def from_dict(raw: Dict[str, Any]) -> PriorConfig:
     cfg = PriorConfig()
     apply(cfg, raw or {}, candidates=all_keys())
-    for key, value in leaves(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
+    check_finite(cfg)
     check(cfg, RULES)
     if cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config key 'model.heads': expected a divisor of model.dim={cfg.model.dim}, got "
@@ -102,32 +98,11 @@ def from_dict(raw: Dict[str, Any]) -> PriorConfig:
 
 
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
-    valid = set(all_keys())
-    for text in overrides:
-        key, value = parse_override(text)
-        if key not in valid:
-            raise ConfigError(f"unknown config key {key!r}; did you mean {nearest(key, sorted(valid))!r}?")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"config key {key!r}: {part!r} is not a section")
-        node[parts[-1]] = value
-    return raw
+    return _config.apply_overrides(raw, overrides, keys=all_keys(), unknown=lambda key: ConfigError(
+        f"unknown config key {key!r}; did you mean {nearest(key, sorted(all_keys()))!r}?"))
 
 
 def load_prior_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> PriorConfig:
     """YAML file (optional; built-in defaults without) + dotted overrides -> validated PriorConfig."""
-    raw = read_yaml(Path(path), "config file") if path is not None else {}
+    raw = _config.read_yaml(Path(path), "config file") if path is not None else {}
     return from_dict(apply_overrides(raw, overrides))
-
-
-def dump_config(cfg: PriorConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def differences(old: PriorConfig, new: PriorConfig) -> List[Tuple[str, Any, Any]]:
-    values = dict(leaves(new))
-    return [(key, value, values[key]) for key, value in leaves(old) if values[key] != value]

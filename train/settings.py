@@ -46,26 +46,19 @@ class Rules:
 
 # ----------------------------------------------------------------------------- keys
 
-def keys_of(obj: Any, prefix: str = "") -> List[str]:
-    """The dotted names of every leaf setting of a dataclass instance (nested dataclasses walked)."""
-    keys = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            keys += keys_of(value, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
 def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
-    """(dotted name, value) for every leaf setting of a dataclass instance."""
+    """(dotted name, value) for every leaf setting of a dataclass instance (nested dataclasses walked)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             yield from leaves(value, f"{prefix}{f.name}.")
         else:
             yield prefix + f.name, value
+
+
+def keys_of(obj: Any, prefix: str = "") -> List[str]:
+    """The dotted names of every leaf setting of a dataclass instance."""
+    return [key for key, _ in leaves(obj, prefix)]
 
 
 def nearest(key: str, candidates: Sequence[str]) -> str:
@@ -229,6 +222,13 @@ def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> No
             raise ConfigError(f"{name(key)}: expected a value > 0, got {value!r}")
         if key in rules.non_negative and not all(v >= 0 for v in items):
             raise ConfigError(f"{name(key)}: expected a value >= 0, got {value!r}")
+
+
+def check_finite(obj: Any, name: Callable[[str], str] = config_key) -> None:
+    """ConfigError for a float leaf of ``obj`` that is inf or nan (never a setting)."""
+    for key, value in leaves(obj):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name(key)}: expected a finite number, got {value!r}")
 
 
 def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Callable[[str], str] = config_key):
