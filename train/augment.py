@@ -57,7 +57,6 @@ class CropFlip(Dataset):
 
     def __getitem__(self, key):
         from torchvision.transforms import functional as TF
-
         from .dataerrors import CHECK_HINT, UnreadableImage, three_channels
         from .errors import one_line
 

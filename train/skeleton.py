@@ -42,7 +42,6 @@ from .rundir import RunLock, check_run_dir_setting, first_missing, keep_logged_s
 
 # ----------------------------------------------------------------------------- torchrun
 
-
 def setup_distributed(device_pref: str = "auto") -> Dict:
     """Initialise torch.distributed from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK),
     if present: NCCL on GPUs, gloo on CPUs. -> {"rank", "world", "device"}."""
@@ -57,11 +56,9 @@ def setup_distributed(device_pref: str = "auto") -> Dict:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
     return {"rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1, "device": device}
 
 
@@ -90,7 +87,6 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 # ----------------------------------------------------------------------------- schedule and RNG
 
-
 def lr_schedule(steps: int, schedule: str = "cosine", warmup: int = 0, floor: float = 0.1) -> Callable[[int], float]:
     """The learning-rate factor at each step (for ``LambdaLR``): a linear warm-up over ``warmup`` steps,
     then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after)."""
@@ -118,7 +114,6 @@ def set_rng_state(state: Dict, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- signals
-
 
 class _Signals:
     """SIGTERM and SIGINT set a flag while the steps run (the step under way finishes); the handlers
@@ -161,7 +156,6 @@ class _Signals:
 
 # ----------------------------------------------------------------------------- the run
 
-
 class TrainingRun:
     """One training in its run directory, from torchrun set-up and the lock to the last checkpoint.
 
@@ -180,9 +174,8 @@ class TrainingRun:
                  threads: Optional[int] = None):
         self.dir = check_run_dir_setting(str(run_dir))
         self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
-        self.name, self.quiet, self.stop_after = name, quiet, stop_after
+        self.name, self.quiet, self.stop_after, self.threads = name, quiet, stop_after, threads
         self.config, self.extra = config or {}, dict(extra or {})
-        self.threads = threads
         self.env = env if env is not None else setup_distributed(device)
         self.rank, self.world, self.device = self.env["rank"], self.env["world"], self.env["device"]
         self.is_main = self.rank == 0
@@ -191,7 +184,7 @@ class TrainingRun:
         self.postfix: Callable[[Dict], Dict] = lambda record: {}
         self._lock: Optional[RunLock] = None
         self._created: Optional[Path] = None
-        self._saved_at: Optional[int] = None
+        self._saved_at: Optional[int] = None  # the step of the last checkpoint this session saved
         self.step = 0  # steps done: where resume left it, then advanced by steps()
 
     # -- the run directory
@@ -309,7 +302,6 @@ class TrainingRun:
         if not self.is_main:
             return
         from torch.utils.tensorboard import SummaryWriter
-
         from .progress import Progress
         self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=step if step else None)
         metrics = self.dir / "metrics.jsonl"
@@ -320,15 +312,10 @@ class TrainingRun:
             self.progress = Progress(self.total_steps, self.name, unit="step", initial=step, every=self.log_every)
 
     def _close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        for name in ("progress", "writer", "_metrics"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
 
     def log(self, step: int, record: Dict, scalar_names: Optional[Dict[str, str]] = None) -> None:
         """One metrics.jsonl line ({"step": step, **record}) and its TensorBoard scalars (rank 0; numbers only,
