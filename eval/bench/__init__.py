@@ -22,11 +22,9 @@ Timing: wall clock, median of the timed repeats after warm-up; within a shape th
 implementations run round-robin (one repeat of each, then the next repeat), so a
 neighbour's load spreads over all of them rather than biasing one.
 
-Peak memory: the resident-set high-water mark (Linux VmHWM) above a baseline taken just
-before the run, with inputs, parameters and upstream gradients already allocated (so it is
-"extra memory above the inputs"). Before each probe freed heap memory is returned to the
-OS (``malloc_trim``) and the high-water mark is reset (``/proc/self/clear_refs``), so the
-figure counts every page the step touches, torch tensors and library workspaces alike.
+Peak memory: the resident-set high-water mark (Linux VmHWM, reset before each probe:
+:class:`~.memory.RssProbe`) above a baseline with inputs, parameters and upstream gradients
+allocated, so it counts every page the step touches, torch tensors and library workspaces alike.
 ``--memory subprocess`` instead runs each probe in a fresh Python process and reports the
 ``ru_maxrss`` growth (slower, independent of this process's heap); ``--memory none`` skips.
 
@@ -35,9 +33,7 @@ memory are estimated from a calibration matmul and a per-implementation cost mod
 measurement whose estimate exceeds ``--max-seconds`` (one run) or the memory budget is
 listed as skipped with the reason, and repeats are cut to fit ``--budget-seconds``.
 
-Modules: ``cost`` (the cost model and the plan: what runs, how often, what is skipped),
-``memory`` (peak-memory probes), ``steps`` (the measured steps: one quantizer training step
-per implementation, the matmul floor, the end-to-end VQ-VAE step), ``vqgan`` (the VQGAN-recipe
-step), ``run`` (measuring a plan,
-ratios), ``report`` (the table), ``cli`` (the command and its options).
+Modules: ``cost`` (the cost model and the plan: what runs, how often, what is skipped), ``memory``
+(peak-memory probes), ``steps`` (the measured steps: per implementation, the matmul floor, the VQ-VAE
+step), ``vqgan`` (the VQGAN-recipe step), ``run`` (measuring a plan, ratios), ``report``, ``cli``.
 """

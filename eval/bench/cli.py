@@ -96,12 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ConfigError("option --memory subprocess measures host memory; with --device cuda use rss (the CUDA "
                           "allocator's peak is then measured) or none")
     quick = args.quick
-    if args.shapes:
-        shapes = [parse_shape(s) for s in args.shapes]
-    elif quick:
-        shapes = list(QUICK_SHAPES)
-    else:
-        shapes = [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K]
+    shapes = ([parse_shape(s) for s in args.shapes] if args.shapes else list(QUICK_SHAPES) if quick
+              else [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K])
     impls = args.impls or list(IMPLS)
     warmup, repeats, max_seconds, budget = args.warmup, args.repeats, args.max_seconds, args.budget_seconds
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
@@ -133,8 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=round(time.perf_counter() - t0, 1))
-    end_load = load_average()
-    if end_load is not None:
+    if (end_load := load_average()) is not None:
         meta["loadavg_end"] = end_load
     meta["device"] = device
     on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
@@ -143,8 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:
         print("warning: the load average exceeded the core count: other jobs shared the CPU, so absolute times are "
               "inflated; compare ratios within this run.")
-    print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]))
-    print()
+    print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]) + "\n")
     print(format_table(rows))
     if prior_text:
         print("\n" + prior_text)

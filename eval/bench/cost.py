@@ -21,38 +21,26 @@ IMPLS = {
     "ddcl-reference": "DDCL straight_through (codebook by gradient), plain autograd",
     "ddcl-fused": "DDCL straight_through (codebook by gradient), fused",
     "ddcl-chunked": "DDCL straight_through (codebook by gradient), chunked",
-    "ddcl-soft-reference": "DDCL soft, plain autograd",
-    "ddcl-soft-fused": "DDCL soft, fused",
-    "ddcl-soft-chunked": "DDCL soft, chunked",
-    "hardvq": "HardVQ (argmin + straight-through)",
-    "emavq": "EMAVQ (EMA codebook)",
-    "vqp": "vector-quantize-pytorch VectorQuantize (defaults)",
+    "ddcl-soft-reference": "DDCL soft, plain autograd", "ddcl-soft-fused": "DDCL soft, fused",
+    "ddcl-soft-chunked": "DDCL soft, chunked", "hardvq": "HardVQ (argmin + straight-through)",
+    "emavq": "EMAVQ (EMA codebook)", "vqp": "vector-quantize-pytorch VectorQuantize (defaults)",
     "ibq": "IBQ (index backpropagation: hard forward, softmax gradient into every code; published settings)",
 }
 
-
 # cost model for the estimates, fitted to runs on a 2-core EPYC: (matmuls of N×D·D×K, other N×K work
-# counted in D=64-matmul equivalents, N×K float tensors alive at the peak)
+# counted in D=64-matmul equivalents, N×K float tensors alive at the peak). ddcl-first: + the k-means fit
+# (see estimate); ddcl-twins: + a 512×K·K×D twin check; ibq: blocked (logits recomputed, softmax and its
+# tempered twin both ways)
 COST = {
-    "matmul6": (6.0, 0.0, 0.0),
-    "ddcl-mstep": (3.0, 4.0, 1.0),
-    "ddcl-first": (4.0, 5.0, 1.0),       # + the k-means fit (see estimate)
-    "ddcl-twins": (3.5, 4.5, 1.0),       # + a 512×K·K×D twin check
-    "ddcl-reference": (3.0, 23.0, 8.0),
-    "ddcl-fused": (3.0, 3.0, 0.0),
-    "ddcl-chunked": (3.0, 3.0, 0.0),
-    "ddcl-soft-reference": (6.0, 24.0, 9.0),
-    "ddcl-soft-fused": (6.0, 3.5, 1.0),
-    "ddcl-soft-chunked": (7.0, 3.5, 0.0),
-    "hardvq": (1.0, 7.5, 3.0),
-    "emavq": (1.0, 8.0, 3.0),
-    "vqp": (2.0, 15.0, 6.0),
-    "ibq": (5.0, 40.0, 0.2),             # blocked: logits recomputed, softmax and its tempered twin both ways
+    "matmul6": (6.0, 0.0, 0.0), "ddcl-mstep": (3.0, 4.0, 1.0), "ddcl-first": (4.0, 5.0, 1.0),
+    "ddcl-twins": (3.5, 4.5, 1.0), "ddcl-reference": (3.0, 23.0, 8.0), "ddcl-fused": (3.0, 3.0, 0.0),
+    "ddcl-chunked": (3.0, 3.0, 0.0), "ddcl-soft-reference": (6.0, 24.0, 9.0), "ddcl-soft-fused": (6.0, 3.5, 1.0),
+    "ddcl-soft-chunked": (7.0, 3.5, 0.0), "hardvq": (1.0, 7.5, 3.0), "emavq": (1.0, 8.0, 3.0),
+    "vqp": (2.0, 15.0, 6.0), "ibq": (5.0, 40.0, 0.2),
 }
 
-
-FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6,
-                 "ddcl-mstep": 3, "ddcl-first": 3, "ddcl-twins": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
+FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6, "ddcl-mstep": 3,
+                 "ddcl-first": 3, "ddcl-twins": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
 
 
 def calibrate(device: str = "cpu") -> float:
@@ -77,7 +65,6 @@ def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float,
     extra = tensors * n * k * 4 + 8 * n * d * 4
     if name == "ddcl-first":               # the k-means fit: its Lloyd iterations over the sampled points
         import inspect
-
         from ddcl_vq.kmeans import kmeans_budget, kmeans_init_
         defaults = {p.name: p.default for p in inspect.signature(kmeans_init_).parameters.values()}
         points, iters = kmeans_budget(min(n, defaults["max_points"]), k, defaults["iters"])

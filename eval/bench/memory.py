@@ -116,7 +116,6 @@ def probe_subprocess(name: str, shape: Tuple[int, int, int]) -> Optional[float]:
 def probe_main(name: str, n: int, d: int, k: int) -> int:
     """The child side of :func:`probe_subprocess` (``python -m ddcl_vq.eval.bench --_probe ...``)."""
     from .steps import make_inputs, make_step
-
     import resource
     small = make_inputs(64, d, min(k, 64))
     make_step(name, small)()                  # load kernels and lazy state on a tiny shape

@@ -76,27 +76,17 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         # the library default in its steady state (past the warm-up's first 100 training batches)
         quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0,
                               revive_twins=name == "ddcl-twins")
-        quant.weight.data.copy_(inp.codebook.cpu())
     elif name.startswith("ddcl"):
         parts = name.split("-")
         mode = "soft" if parts[1] == "soft" else "straight_through"
-        impl = parts[-1]
-        quant = DDCLQuantizer(k, d, mode=mode, implementation=impl, codebook_init="normal", channel_dim=-1,
+        quant = DDCLQuantizer(k, d, mode=mode, implementation=parts[-1], codebook_init="normal", channel_dim=-1,
                               codebook_update="gradient", temperature_reference="dim", temperature=0.01)
-        quant.weight.data.copy_(inp.codebook.cpu())
-    elif name == "hardvq":
-        quant = HardVQ(k, d, channel_dim=-1)
-        quant.weight.data.copy_(inp.codebook.cpu())
-    elif name == "emavq":
-        quant = EMAVQ(k, d, channel_dim=-1)
-        quant.embed.copy_(inp.codebook.cpu())
-    elif name == "vqp":
-        quant = VQPQuantizer(k, d, channel_dim=-1)
-    elif name == "ibq":
-        quant = IBQQuantizer(k, d, channel_dim=-1)
-        quant.weight.data.copy_(inp.codebook.cpu())
+    elif name in ("hardvq", "emavq", "vqp", "ibq"):
+        quant = {"hardvq": HardVQ, "emavq": EMAVQ, "vqp": VQPQuantizer, "ibq": IBQQuantizer}[name](k, d, channel_dim=-1)
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
+    if name != "vqp":  # the shared codebook (vector-quantize-pytorch keeps its own initialisation)
+        (quant.embed if name == "emavq" else quant.weight.data).copy_(inp.codebook.cpu())
     quant.to(device).train()
 
     def step():
@@ -122,7 +112,6 @@ def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
     config's defaults with the same overrides, the reason in each row."""
     from ddcl_vq.train.builders import build_model, build_optimizer, lr_lambda
     from ddcl_vq.train.config import load_config
-
     missing = [name for _, name in E2E_CONFIGS if not (configs / name).is_file()]
     models = {}
     with warnings.catch_warnings():
@@ -152,7 +141,6 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
     core shared with other jobs the CPU time leaves out the time the step waited for the core.
     """
     from ddcl_vq.train.loop import training_step
-
     models, source, fallback = e2e_models()
     q_default = models["ddcl"][1].quantizer
     skip_warmup(q_default)                     # time the steady state, past the warm-up
