@@ -38,6 +38,17 @@ def check_parents(out_dir: Path) -> None:
         raise ExportError(f"OUT_DIR {str(out_dir)!r} cannot be written: {str(blocking)!r} is a file, not a folder")
 
 
+def check_out_dir(run_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """Before any work: ``out_dir`` is a folder that may be written (empty, or ``overwrite``), not the run's."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{str(out_dir)!r} exists and is not a folder")
+    check_parents(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
+    if out_dir.resolve() == run_dir.resolve():
+        raise ExportError("OUT_DIR must not be the run directory")
+
+
 def staging_folder(out_dir: Path) -> Path:
     """A new hidden folder beside ``out_dir`` to write and check an export in before it is moved into place
     (a full disk or a failed check then leaves OUT_DIR as it was)."""
@@ -66,7 +77,6 @@ def move_into_place(staging: Path, out_dir: Path, files: Sequence[str]) -> None:
 def check_inputs(model, cfg) -> torch.Tensor:
     """A fixed batch to check the export on: the first test images, or seeded noise offline."""
     from ddcl_vq.train.data import build_dataset, image_channels
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -134,7 +134,6 @@ def decode_indices(model, indices: np.ndarray, batch_size: int = EVAL_BATCH_SIZE
 def save_png(images: torch.Tensor, out: Path, nrow: int) -> None:
     """The PNG grid, written to a temporary file and renamed (never a partial file at ``out``)."""
     from torchvision.utils import save_image
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -150,7 +149,6 @@ def save_png(images: torch.Tensor, out: Path, nrow: int) -> None:
 def decode_file(model_source: str | Path, tokens: str | Path, out: str | Path, start: int = 0, count: int = 64,
                 nrow: int = 8, batch_size: int = EVAL_BATCH_SIZE, shape: Optional[Tuple[int, int]] = None) -> dict:
     from .models import load_model
-
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise TokenFileError(f"expected --out to end in .png, got {str(out)!r}")

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from ddcl_vq.train.errors import entry_point
 from ddcl_vq.train.settings import Options, option
 
-from .checks import (EXPORT_FILES, ExportError, check_inputs as _check_inputs, check_parents, move_into_place,
+from .checks import (EXPORT_FILES, ExportError, check_inputs as _check_inputs, check_out_dir, move_into_place,
                      staging_folder)
 
 HELP = """\
@@ -98,16 +98,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
     from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.models import VQVAE
     from ddcl_vq.train.data import image_channels
-
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"{str(out_dir)!r} exists and is not a folder")
-    check_parents(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
-    if out_dir.resolve() == run_dir.resolve():
-        raise ExportError("OUT_DIR must not be the run directory")
+    check_out_dir(run_dir, out_dir, overwrite)
     factor = 2 ** (len(cfg.model.ch_mult) - 1 if getattr(cfg.model, "arch", "vqvae") == "vqgan"
                    else cfg.model.num_downsamples)
     model.config.update({
@@ -153,7 +146,6 @@ def push(out_dir: str | Path, repo_id: str, private: bool = False, files=FILES) 
     """Upload the exported folder to the Hugging Face Hub; -> the repository URL."""
     try:
         from huggingface_hub import HfApi
-
         api = HfApi()
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
@@ -171,32 +163,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     if opts.format not in ("ddcl-vq", "diffusers"):
         raise ExportError(f"option --format: expected ddcl-vq or diffusers, got {opts.format!r}")
+    files = EXPORT_FILES[opts.format]
     if opts.format == "diffusers":  # a VQGAN run as a plain diffusers.VQModel folder
         from .export_diffusers import export_diffusers, report
-        done = export_diffusers(opts.run_dir, opts.out_dir, opts.overwrite)
-        text = report(done, opts.out_dir, opts.quiet)
+        text = report(export_diffusers(opts.run_dir, opts.out_dir, opts.overwrite), opts.out_dir, opts.quiet)
         if text:
             print(text)
-        if opts.push_to_hub:
-            from .export_diffusers import FILES as DIFFUSERS_FILES
-            url = push(opts.out_dir, opts.push_to_hub, opts.private, DIFFUSERS_FILES)
-            if not opts.quiet:
-                print(f"pushed to {url}")
-        return 0
-    done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
-    if done["step"] < done["train_steps"]:
-        print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
-              f"stopped early): exported its checkpoint of step {done['step']}", file=sys.stderr)
-    if not opts.quiet:
-        for name, size in done["files"].items():
-            print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
-        print(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: from_pretrained "
-              f"reproduces the hard reconstructions and indices of {done['checked_images']} images bit for bit")
-        if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
-            print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is loaded")
-        print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")
+    else:
+        done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
+        if done["step"] < done["train_steps"]:
+            print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
+                  f"stopped early): exported its checkpoint of step {done['step']}", file=sys.stderr)
+        if not opts.quiet:
+            for name, size in done["files"].items():
+                print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
+            print(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: from_pretrained "
+                  f"reproduces the hard reconstructions and indices of {done['checked_images']} images bit for bit")
+            if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
+                print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is "
+                      "loaded")
+            print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")
     if opts.push_to_hub:
-        url = push(opts.out_dir, opts.push_to_hub, opts.private)
+        url = push(opts.out_dir, opts.push_to_hub, opts.private, files)
         if not opts.quiet:
             print(f"pushed to {url}")
     return 0

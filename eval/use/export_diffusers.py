@@ -32,7 +32,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .checks import EXPORT_FILES
+from .checks import EXPORT_FILES, ExportError
 
 #: the largest max |difference| allowed between the run's and the exported VQModel's decoded images
 DECODE_ATOL = 1e-5
@@ -42,18 +42,11 @@ TIE_RTOL = 1e-5
 FILES = EXPORT_FILES["diffusers"]
 
 
-def _error(message: str) -> Exception:
-    from .checks import ExportError
-    return ExportError(message)
-
-
 def to_vqmodel(model):
     """A ``diffusers.VQModel`` holding the weights of a VQGAN ``model`` (a ddcl-vq VQVAE with arch vqgan)
     and its hard codebook; eval mode."""
     from diffusers import VQModel
-
     from ddcl_vq.models.vqgan import diffusers_config, diffusers_state_dict
-
     config = diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes)
     vq = VQModel(**config)
     vq.load_state_dict(diffusers_state_dict(model), strict=True)
@@ -105,34 +98,25 @@ def model_card(config: Dict, source: Dict, check: Dict) -> str:
 def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Dict:
     """Write the diffusers VQModel folder of a VQGAN run and check it; returns what was done."""
     from diffusers import VQModel
-
     from ddcl_vq.eval.evaluate import load_run
-
-    from .checks import check_inputs as _check_inputs, check_parents, move_into_place, staging_folder
-
+    from .checks import check_inputs as _check_inputs, check_out_dir, move_into_place, staging_folder
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
     if getattr(cfg.model, "arch", "vqvae") != "vqgan":
-        raise _error(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel encoder/decoder); "
+        raise ExportError(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel encoder/decoder); "
                      f"{str(run_dir)!r} is a {cfg.model.arch} run: export it with --format ddcl-vq")
     if not model.quantizer.assigns_nearest_code:
-        raise _error(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row (diffusers' "
+        raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row (diffusers' "
                      f"VQModel encodes by nearest-code search); the {cfg.quantizer.type} quantizer's index is not "
                      f"(e.g. a rounded projection), so the exported VQModel would encode other codes than the run: "
                      f"export it with --format ddcl-vq")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise _error(f"{str(out_dir)!r} exists and is not a folder")
-    check_parents(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise _error(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
-    if out_dir.resolve() == run_dir.resolve():
-        raise _error("OUT_DIR must not be the run directory")
+    check_out_dir(run_dir, out_dir, overwrite)
     model = model.cpu().eval()
     codes = torch.arange(model.quantizer.num_codes)
     with torch.no_grad():
         looked_up = model.quantizer.lookup(codes[:, None, None]).reshape(len(codes), -1)
     if not torch.equal(looked_up.float(), model.quantizer.codebook.detach().float()):
-        raise _error(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
+        raise ExportError(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
                      f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
 
     vq = to_vqmodel(model)
@@ -158,7 +142,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                                f"{diff:g} > {DECODE_ATOL:g}")
         untied = untied_disagreements(latents, loaded.quantize.embedding.weight, indices, their_indices)
         if untied:
-            raise _error(f"the diffusers export of {str(run_dir)!r} would be another model: diffusers' nearest-code "
+            raise ExportError(f"the diffusers export of {str(run_dir)!r} would be another model: diffusers' nearest-code "
                          f"search picks other codes than the run at {untied} of {indices.numel()} latent positions "
                          f"that are not ties ({agreement:.2%} agree); nothing was written to {str(out_dir)!r}; "
                          f"export it with --format ddcl-vq")

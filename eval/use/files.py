@@ -119,7 +119,6 @@ def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndar
         return written
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
-
     tensors = {"indices": np.ascontiguousarray(indices)}
     if labels is not None:
         tensors["labels"] = np.ascontiguousarray(labels)
@@ -138,7 +137,6 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
     if not path.is_file():
         raise TokenFileError(f"token file {str(path)!r} does not exist")
     from safetensors import SafetensorError
-
     try:
         if path.suffix == ".npy":
             indices = np.load(path, allow_pickle=False)
@@ -147,7 +145,6 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
             return indices, labels, {}
         from safetensors import safe_open
         from safetensors.numpy import load_file
-
         with safe_open(str(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})
         tensors = load_file(str(path))

@@ -8,16 +8,13 @@ to read and ``decode`` which grid a flat sequence of codes lies on.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
 from ddcl_vq.train.errors import UserError
-
-#: what a Hugging Face Hub model id looks like (``user/name``), as opposed to a local path
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+from ddcl_vq.train.init_from import HUB_ID  # what a Hugging Face Hub model id looks like (``user/name``)
 
 
 class ModelSourceError(UserError, ValueError):
@@ -30,7 +27,6 @@ def _first_line(err: BaseException) -> str:
 
 def _from_pretrained(source: str, where: str):
     from ddcl_vq.models import VQVAE
-
     try:
         return VQVAE.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as err:
@@ -45,7 +41,6 @@ def _from_pretrained(source: str, where: str):
 def run_data(cfg, model) -> dict:
     """``config["data"]`` of an export, for a model loaded from a run directory."""
     from ddcl_vq.train.data import image_channels
-
     channels = image_channels(cfg.data)
     with torch.no_grad():
         grid = model.encoder(torch.zeros(1, channels, cfg.data.image_size, cfg.data.image_size)).shape[-2:]
@@ -57,7 +52,6 @@ def load_source(source: str | Path, overrides=(), device="cpu") -> Tuple[object,
     """-> (model in eval mode on ``device``, the run's config or None for an export, a summary of the
     source: ``kind`` run/export/hub, ``step`` and ``checkpoint`` when known)."""
     from ddcl_vq.eval.evaluate import load_run
-
     path = Path(source)
     if (path / "config.json").is_file() and not (path / "config.yaml").is_file():
         model = _from_pretrained(str(path), f"in {str(path)!r}")

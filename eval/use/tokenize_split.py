@@ -83,9 +83,7 @@ def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images
 
     Labels are None when the dataset has none (every label negative, e.g. natural_patches)."""
     from torch.utils.data import DataLoader, Subset
-
     from ddcl_vq.train.progress import Progress
-
     n = len(dataset) if not max_images else min(max_images, len(dataset))
     if n < len(dataset):
         dataset = Subset(dataset, range(n))
@@ -121,7 +119,6 @@ def export_data_config(model, source, overrides=()):
     image size, seed) + ``data.*`` / ``train.device`` overrides; a TokenFileError when it cannot be."""
     from ddcl_vq.train.config import load_config
     from ddcl_vq.train.data import image_channels
-
     data = (model.config or {}).get("data") or {}
     bad = [o for o in overrides if not str(o).startswith(EXPORT_OVERRIDES)]
     if bad:
@@ -147,9 +144,7 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
     its Hub id) into ``out``; returns a summary. An existing ``out`` is replaced only with ``overwrite``."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.dataerrors import DataUnavailable
-
     from .models import load_source
-
     out = check_out(check_suffix(out), "--out", overwrite)  # before any work
     model, cfg, source = load_source(run_dir, overrides, "cpu")
     exported = cfg is None
