@@ -63,10 +63,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     module = importlib.import_module(commands[name][0])
     code = int(module.main(rest) or 0)
-    import torch.distributed as dist
-    if code == 0 and dist.is_available() and dist.is_initialized():  # a command run under torchrun
-        dist.barrier()  # after success only: a barrier after a failure could hang
-        dist.destroy_process_group()
+    if code == 0:  # a command run under torchrun: after success only (a barrier after a failure could hang)
+        from ddcl_vq.train.skeleton import teardown_distributed
+        teardown_distributed()
     return code
 
 

@@ -61,7 +61,6 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     from ddcl_vq.train.checkpoint import latest_checkpoint, load_into
     from ddcl_vq.train.config import load_config
     from ddcl_vq.train.data import image_channels
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
@@ -99,7 +98,6 @@ def check_overrides(run_dir: Path, trained, asked) -> None:
     the checkpoint decides those (the temperature included: the run's schedule is saved in it), so
     such an override would be ignored or fail to load."""
     from ddcl_vq.train.config import differences
-
     fixed = [(k, a, b) for k, a, b in differences(trained, asked) if _fixed_by_checkpoint(k)]
     if fixed:
         changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
@@ -116,7 +114,6 @@ def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str =
     RUN_DIR/eval_<name>.json, not eval.json. None too when the run has no readable config
     (load_run says why)."""
     from ddcl_vq.train.config import ConfigError, load_config
-
     config = Path(run_dir) / "config.yaml"
     if not overrides or not config.is_file():
         return None
@@ -157,10 +154,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.loop import setup_distributed
     from ddcl_vq.train.testset import reconstruction_pass
-
     from ddcl_vq.distributed import rank
     from ddcl_vq.train.rundir import writable_dir
-
     run_dir = Path(run_dir)
     # config first (clear errors before any process group starts)
     cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
@@ -181,30 +176,19 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                                  num_workers=resolve_workers(cfg.data, dataset))
     extra = sums.compute()
     usage = result["usage"]
-    hard = {"mse": result["hard"]["mse"], "psnr": result["hard"]["psnr"], "ssim": extra["hard_ssim"],
-            "lpips": extra["hard_lpips"]}
-    soft = None
-    if result["soft"] is not None:
-        soft = {"mse": result["soft"]["mse"], "psnr": result["soft"]["psnr"], "ssim": extra["soft_ssim"],
-                "lpips": extra["soft_lpips"]}
+    hard, soft = ({"mse": result[kind]["mse"], "psnr": result[kind]["psnr"], "ssim": extra[f"{kind}_ssim"],
+                   "lpips": extra[f"{kind}_lpips"]} if result[kind] is not None else None for kind in ("hard", "soft"))
     q = model.quantizer
     latent_positions = usage.num_vectors // max(result["num_images"], 1)
     training = getattr(model, "training_usage", None) or {}  # runs saved before 2026-12-04 have none
     out = {
-        "run": str(run_dir),
-        "name": cfg.run.name,
-        "step": step,
-        "train_steps": cfg.train.steps,
-        "checkpoint": str(ckpt),
+        "run": str(run_dir), "name": cfg.run.name, "step": step, "train_steps": cfg.train.steps, "checkpoint": str(ckpt),
         "checkpoint_sha256": digest,  # what freshness is judged by (with step, split, images, overrides)
-        "made_by": made_by,
-        "dataset": cfg.data.name,
+        "made_by": made_by, "dataset": cfg.data.name,
         **({"photos": list(cfg.data.train_photos if split == "train" else cfg.data.test_photos)}
            if cfg.data.name == "natural_patches" else {}),
         "trained_on": load_run_dataset(run_dir),  # differs from dataset for a held-out evaluation
-        "split": split,
-        "num_images": result["num_images"],
-        "max_images": max_images,
+        "split": split, "num_images": result["num_images"], "max_images": max_images,
         "overrides": list(overrides),  # with step, checkpoint, split, max_images: what compare reuses it for
         "latent_positions_per_image": latent_positions,
         "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
@@ -216,10 +200,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
                      "utilization_ceiling": uniform_ceiling(q.num_codes, usage.num_vectors),
                      **{key: training.get(key) for key in TRAINING_USAGE_KEYS},
                      **codebook_geometry(q.codebook, usage.counts)},
-        "usage_counts": usage.counts,
-        "lpips_note": lpips_note,
-        "rfid": extra["rfid"],
-        "rfid_note": rfid_note,
+        "usage_counts": usage.counts, "lpips_note": lpips_note, "rfid": extra["rfid"], "rfid_note": rfid_note,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command or f"ddcl-vq evaluate {shlex.quote(str(run_dir))} --split {split} "
                               f"--max-images {max_images} --batch-size {batch_size}"
@@ -262,7 +243,8 @@ def write_eval(run_dir: Path, ev: Dict, path: Optional[Path] = None) -> Path:
     return path
 
 
-def _fmt(v, spec: str) -> str:
+def fmt_value(v, spec: str) -> str:
+    """``format(v, spec)``; '—' for None, and inf or nan as they are."""
     if v is None:
         return "—"
     if isinstance(v, float) and not math.isfinite(v):
@@ -286,22 +268,22 @@ def format_report(ev: Dict) -> str:
         if r is None:
             continue
         sign = "+" if name == "soft_minus_hard" else ""
-        lines.append(f"| {name.replace('_', ' ')} | {_fmt(r['mse'], sign + '.5f')} | {_fmt(r['psnr'], sign + '.2f')} "
-                     f"| {_fmt(r['ssim'], sign + '.4f')} | {_fmt(r['lpips'], sign + '.4f')} |")
+        lines.append(f"| {name.replace('_', ' ')} | {fmt_value(r['mse'], sign + '.5f')} | {fmt_value(r['psnr'], sign + '.2f')} "
+                     f"| {fmt_value(r['ssim'], sign + '.4f')} | {fmt_value(r['lpips'], sign + '.4f')} |")
     c = ev["codebook"]
     lines += ["", "| utilization | active | dead | perplexity | soft perplexity | entropy (bits) |",
               "|---|---|---|---|---|---|",
               f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
-              f"| {_fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
-              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {_fmt(c.get('utilization_ceiling'), '.1%')}; "
-              f"training's last indices: queue {_fmt(c.get('queue_utilization'), '.1%')} of "
-              f"{_fmt(c.get('queue_indices'), ',')} (ceiling {_fmt(c.get('queue_ceiling'), '.1%')}), per batch "
-              f"{_fmt(c.get('batch_utilization'), '.1%')} (ceiling {_fmt(c.get('batch_ceiling'), '.1%')})",
-              f"code distances: min {_fmt(c['min_code_distance'], '.4g')}, mean {_fmt(c['mean_code_distance'], '.4g')} "
-              f"(all codes); min {_fmt(c['min_active_code_distance'], '.4g')}, mean "
-              f"{_fmt(c['mean_active_code_distance'], '.4g')} (active codes)",
+              f"| {fmt_value(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
+              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {fmt_value(c.get('utilization_ceiling'), '.1%')}; "
+              f"training's last indices: queue {fmt_value(c.get('queue_utilization'), '.1%')} of "
+              f"{fmt_value(c.get('queue_indices'), ',')} (ceiling {fmt_value(c.get('queue_ceiling'), '.1%')}), per batch "
+              f"{fmt_value(c.get('batch_utilization'), '.1%')} (ceiling {fmt_value(c.get('batch_ceiling'), '.1%')})",
+              f"code distances: min {fmt_value(c['min_code_distance'], '.4g')}, mean {fmt_value(c['mean_code_distance'], '.4g')} "
+              f"(all codes); min {fmt_value(c['min_active_code_distance'], '.4g')}, mean "
+              f"{fmt_value(c['mean_active_code_distance'], '.4g')} (active codes)",
               f"lpips: {ev['lpips_note']}",
-              f"rfid: {_fmt(ev['rfid'], '.3f')} ({ev['rfid_note']})",
+              f"rfid: {fmt_value(ev['rfid'], '.3f')} ({ev['rfid_note']})",
               f"command: {ev['command']}", "", "definitions:", ev["definitions"]]
     return "\n".join(lines)
 
@@ -332,9 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     set_threads(opts.threads)
 
     from ddcl_vq.distributed import rank
-
     from ddcl_vq.train.rundir import RunDirError, writable_dir
-
     cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
     path = eval_path(opts.run_dir, opts.out, heldout_tag(opts.run_dir, opts.overrides, opts.split))
     if rank() == 0 and Path(opts.run_dir).is_dir():
@@ -359,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from ddcl_vq.train.loop import teardown_distributed
+    from ddcl_vq.train.skeleton import teardown_distributed
     code = main()
     if code == 0:
         teardown_distributed()

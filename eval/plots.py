@@ -11,11 +11,19 @@ from .evaluate import load_run
 from .runlog import read_metrics
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save(fig, path: Path, dpi: int = 110, **layout) -> None:
+    """``fig`` laid out (``tight_layout(**layout)``), written to ``path`` and closed."""
+    fig.tight_layout(**layout)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
 
 
 def _grid(n: int, max_cols: int = 6):
@@ -24,7 +32,7 @@ def _grid(n: int, max_cols: int = 6):
 
 
 def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     rows, cols = _grid(len(evals))
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.4 * rows), squeeze=False)
     for ax in axes.flat[len(evals):]:
@@ -41,13 +49,11 @@ def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Pat
         ax.tick_params(labelsize=6)
         ax.set_xlabel("code rank", fontsize=6)
     fig.suptitle("Sorted code usage on the evaluated split (hard indices; dead codes have no bar)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_usage_over_training(metrics: Sequence[List[Dict]], names: Sequence[str], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = plt.get_cmap("tab20")
     for i, (records, name) in enumerate(zip(metrics, names)):
@@ -68,13 +74,11 @@ def plot_usage_over_training(metrics: Sequence[List[Dict]], names: Sequence[str]
         ax.grid(alpha=0.3)
     a2.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle("Codebook usage during training (train.usage_window steps of hard indices per point)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     markers = {"ddcl": "o", "hard": "s", "ema": "^", "vqp": "D"}
     for r in rows:
@@ -94,9 +98,7 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
     spread = any(r.get("hard_psnr_sd") is not None for r in rows)
     ax.set_title("Reconstruction (hard codes) vs codebook utilization"
                  + (": means, bars ± sample sd over seeds" if spread else ""), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 @torch.no_grad()
@@ -104,7 +106,7 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
                          num_images: int = 8, overrides: Sequence[str] = ()) -> None:
     """``overrides``: evaluate's dotted data overrides (images of another dataset, e.g. data.name=digits)."""
     from ddcl_vq.train.data import build_dataset
-    plt = _plt()
+    plt = pyplot()
     recons, originals = [], None
     for d in run_dirs:
         cfg, model, _, _ = load_run(d, overrides, device="cpu")
@@ -125,9 +127,7 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
             ax.set_yticks([])
         axes[i, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=6)
     fig.suptitle(f"First {n} {split} images, decoded from hard codes", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (0.9 * len(rows))))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, rect=(0, 0, 1, 1 - 0.3 / (0.9 * len(rows))))
 
 
 def write_plots(out: Path, run_dirs: Sequence[Path], names: Sequence[str], evals: Sequence[Dict],

@@ -2,38 +2,25 @@
 milliseconds per step (``ddcl-vq compare``'s train time and ms/step columns, its usage plot)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ddcl_vq.train.skeleton import metrics_records  # every record of metrics.jsonl (a line cut by a kill skipped)
+
 
 def read_metrics(run_dir: Path) -> List[Dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
     # a resumed run appends again from the checkpoint's step: keep the last record per step
-    by_step = {}
-    for r in records:
-        by_step[r["step"]] = r
+    by_step = {r["step"]: r for r in metrics_records(run_dir)}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def train_seconds(run_dir: Path) -> Optional[float]:
     """Sum over training sessions of the last logged 'time' (it restarts at 0 each session)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
     total, last = 0.0, None
-    for line in path.read_text().splitlines():
+    for record in metrics_records(run_dir):
         try:
-            t = float(json.loads(line)["time"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            t = float(record["time"])
+        except (KeyError, TypeError, ValueError):
             continue
         if last is not None and t < last:
             total += last
@@ -46,15 +33,11 @@ def ms_per_step(run_dir: Path) -> Optional[float]:
     differences over sum of 'step' differences between consecutive records of one session (a
     session ends where 'time' goes back or 'step' does not advance: a resumed run). A run whose
     sessions each logged one record falls back to the first record's time / step."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
     points = []
-    for line in path.read_text().splitlines():
+    for record in metrics_records(run_dir):
         try:
-            record = json.loads(line)
             points.append((float(record["time"]), int(record["step"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             continue
     seconds = steps = 0.0
     for (t0, s0), (t1, s1) in zip(points, points[1:]):
@@ -66,4 +49,3 @@ def ms_per_step(run_dir: Path) -> Optional[float]:
     if points and points[0][1] > 0:
         return 1000.0 * points[0][0] / points[0][1]
     return None
-

@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import inspect
 import json
-import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ddcl_vq import EMAVQ
 
+from .evaluate import fmt_value
 from .metrics import definitions
 from .runlog import ms_per_step, train_seconds
 
@@ -99,12 +99,9 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
     c = ev["codebook"]
     return {
         "name": name, "run": str(run_dir), "type": ev["quantizer"]["type"], "num_codes": ev["quantizer"]["num_codes"],
-        "mode": cfg.quantizer.mode if cfg.quantizer.type == "ddcl" else None,
-        "temperature": cfg.quantizer.temperature if cfg.quantizer.type == "ddcl" else None,
-        "temperature_schedule": cfg.quantizer.temperature_schedule if cfg.quantizer.type == "ddcl" else None,
-        "temperature_final": cfg.quantizer.temperature_final if cfg.quantizer.type == "ddcl" else None,
-        "codebook_lr_ratio": cfg.train.codebook_lr_ratio,
-        "settings": settings_text(cfg),
+        **{k: getattr(cfg.quantizer, k) if cfg.quantizer.type == "ddcl" else None
+           for k in ("mode", "temperature", "temperature_schedule", "temperature_final")},
+        "codebook_lr_ratio": cfg.train.codebook_lr_ratio, "settings": settings_text(cfg),
         "hard_psnr": hard["psnr"], "hard_mse": hard["mse"], "hard_ssim": hard["ssim"], "hard_lpips": hard["lpips"],
         "soft_psnr": soft["psnr"] if soft else None, "soft_minus_hard_psnr": gap["psnr"] if gap else None,
         "utilization": c["utilization"], "active_codes": c["active_codes"], "dead_codes": c["dead_codes"],
@@ -116,18 +113,10 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
     }
 
 
-def _cell(value, spec: str) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return format(value, spec)
-
-
 def markdown_table(rows: Sequence[Dict], columns: Sequence[tuple] = COLUMNS) -> str:
     lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |")
+        lines.append("| " + " | ".join(fmt_value(r.get(k), f) for k, _, f in columns) + " |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ tokenizer's decoder; ``evaluate`` reports test NLL (bits/token, bits/image) and 
 figure (Fréchet distance in a small classifier's features — not Inception FID — and class accuracy);
 ``study`` puts several tokenizers through the same prior budget (configs/study_prior.yaml).
 
-Modules: ``config`` (typed settings), ``data`` (token files, the tokenizer), ``training`` (the loop,
-resume, NLL), ``sampling``, ``classifier`` (the feature classifier, Fréchet distance), ``evaluation``,
-``study`` (the driver), ``bench`` (the sampling-speed row of ``ddcl-vq bench``), ``cli``.
+Modules: ``data`` (token files, the tokenizer), ``sampling``, ``classifier`` (the feature classifier,
+Fréchet distance), ``evaluation``, ``study`` (the driver), ``bench`` (the sampling-speed row of ``ddcl-vq
+bench``), ``cli``; the prior's config and training loop are ``ddcl_vq.train.prior_config`` and ``.prior``.
 """

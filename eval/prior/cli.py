@@ -35,9 +35,7 @@ ddcl-vq prior SUBCOMMAND --help explains each one."""
 
 def _device(name: str) -> str:
     import torch
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 # ----------------------------------------------------------------------------- train
@@ -83,9 +81,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     opts = TRAIN.parse(argv)
     from ddcl_vq.train.prior import train_prior
     from ddcl_vq.train.prior_config import dump_config, load_prior_config
-
     from .data import PriorData
-
     data = [f"data.tokenizer={opts.tokenizer}", f"data.train_tokens={opts.tokens}"]
     if opts.test:
         data.append("data.test_tokens=[" + ", ".join(json.dumps(t) for t in opts.test) + "]")
@@ -98,8 +94,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     teardown_distributed()
     if not opts.quiet:
         done = summary["step"] >= summary["steps"]
-        head = "done" if done else "stopped"
-        print(f"{head}: {summary['step']} of {summary['steps']} steps ({summary['train_seconds']:.0f} s this session, "
+        print(f"{'done' if done else 'stopped'}: {summary['step']} of {summary['steps']} steps ({summary['train_seconds']:.0f} s this session, "
               f"{summary['parameters']:,} parameters, K = {summary['num_codes']}, "
               f"{'x'.join(map(str, summary['grid']))} codes, "
               f"{summary['num_classes'] or 'no'} classes) -> {summary['prior']}")
@@ -142,7 +137,6 @@ SAMPLE = Options(SampleOptions, prog="ddcl-vq prior sample",
 def sample_main(argv: Optional[List[str]] = None) -> int:
     opts = SAMPLE.parse(argv)
     from .sampling import sample_to_files
-
     done = sample_to_files(opts.prior_dir, opts.count, opts.out, opts.klass, opts.temperature, opts.top_k, opts.seed,
                            opts.nrow, opts.tokenizer, _device(opts.device))
     classes = "" if done["classes"] is None else f", classes {done['classes']}"
@@ -186,7 +180,6 @@ EVALUATE = Options(EvaluateOptions, prog="ddcl-vq prior evaluate",
 def evaluate_main(argv: Optional[List[str]] = None) -> int:
     opts = EVALUATE.parse(argv)
     from .evaluation import evaluate_prior, format_eval
-
     result = evaluate_prior(opts.prior_dir, opts.test or None, opts.max_test, opts.samples, opts.real,
                             opts.temperature, opts.top_k, opts.seed, opts.cache_dir, opts.classifier_steps,
                             device=_device(opts.device), progress=not opts.quiet)
@@ -198,15 +191,12 @@ def evaluate_main(argv: Optional[List[str]] = None) -> int:
 
 # ----------------------------------------------------------------------------- dispatch
 
-SUBCOMMANDS = {"train": train_main, "sample": sample_main, "evaluate": evaluate_main}
-
-
 def _study_main(argv):
     from .study import main as study_main
     return study_main(argv)
 
 
-SUBCOMMANDS["study"] = _study_main
+SUBCOMMANDS = {"train": train_main, "sample": sample_main, "evaluate": evaluate_main, "study": _study_main}
 
 
 def _dispatch(argv: Optional[List[str]] = None) -> int:

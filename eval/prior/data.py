@@ -128,7 +128,6 @@ def tokenizer_info(source: str | Path) -> Dict[str, Any]:
     prior needs to know about the model that tokenized its data. K is the loaded quantizer's
     ``num_codes`` (what its indices range over), not the config's request."""
     from ddcl_vq.train.config import DataConfig, load_config
-
     if not str(source).strip():
         raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
     source = Path(source)

@@ -34,9 +34,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                    device: str = "cpu", progress: bool = False, write: bool = True) -> Dict:
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
     from torchvision.utils import save_image
-
     from ddcl_vq.eval.use.decode import decode_indices
-
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
     result: Dict = {"prior": str(prior_dir), "step": meta["step"], "num_codes": model.num_codes,

@@ -49,13 +49,10 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
                     tokenizer: Optional[str] = None, device: str = "cpu") -> Dict:
     """Sample ``count`` maps, write their codes (OUT.npy, labels in OUT.labels.npy) and decoded grid (OUT)."""
     from torchvision.utils import save_image
-
     from ddcl_vq.eval.use.decode import decode_indices
     from ddcl_vq.eval.use.files import check_out, index_dtype, write_tokens
-
     from .data import load_tokenizer
     from ddcl_vq.train.prior import load_prior
-
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise SampleError(f"expected --out to end in .png, got {str(out)!r}")
@@ -90,7 +87,6 @@ def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
     more memory than this machine has available; the message gives both figures."""
     from ddcl_vq.eval.use.decode import decode_indices
     from ddcl_vq.train.memory import available_bytes
-
     one = decode_indices(decoder, np.zeros((1, model.height, model.width), np.int64), device=device)
     per_map = 8 * model.length + 2 * 4 * one[0].numel()  # int64 codes; float32 images and their grid
     need, free = count * per_map, available_bytes(torch.device("cpu"))

@@ -154,9 +154,7 @@ def load_prior_study(path: str | Path, quick: bool = False, out: Optional[str | 
     """-> (spec, tokenizer Study, prior overrides, tokenize spec, evaluate spec, prior seeds, out dir).
     Every tokenizer arm and the prior config are validated here, before anything trains."""
     from ddcl_vq.eval.study.config import load_study
-
     from ddcl_vq.train.prior_config import load_prior_config
-
     path = Path(path)
     spec = read_prior_study(path)
     name = spec.name or path.stem
@@ -181,13 +179,10 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
     """Train (unless ``report_only``), evaluate and tabulate; -> {groups, runs, out, ...}."""
     from ddcl_vq.eval.study.run import run_study
     from ddcl_vq.eval.use.tokenize_split import tokenize_run
-
     from ddcl_vq.train.prior_config import load_prior_config
     from .evaluation import evaluate_prior
     from ddcl_vq.train.prior import train_prior
-
     from .data import PriorData
-
     spec, study, prior_overrides, tok, ev, seeds, out_dir = load_prior_study(path, quick, out, arms, prior_seeds)
     started = time.time()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
@@ -255,7 +250,6 @@ def finished_prior(cfg) -> Optional[Dict]:
     """The summary of the prior in ``cfg.run.dir`` if it has trained ``cfg.train.steps`` steps with
     ``cfg``'s settings (paths, logging and device aside), else None."""
     from ddcl_vq.train.prior_config import RESUMABLE, differences, load_prior_config
-
     prior_dir = Path(cfg.run.dir)
     summary_path, config_path = prior_dir / "summary.json", prior_dir / "config.yaml"
     if not (summary_path.is_file() and config_path.is_file()):
@@ -286,7 +280,6 @@ def _row(arm, trow: Dict, seed: int, ev: Dict, summary: Dict) -> Dict:
 def aggregate(runs: Sequence[Dict]) -> List[Dict]:
     """One row per tokenizer: its own figures, and mean ± sd over the prior seeds."""
     from ddcl_vq.eval.study.aggregate import mean_sd
-
     groups: Dict[str, List[Dict]] = {}
     for r in runs:
         groups.setdefault(r["tokenizer"], []).append(r)
@@ -313,7 +306,6 @@ def over_tokenizer_seeds(groups: Sequence[Dict]) -> List[Dict]:
     seed: mean ± sample sd over its tokenizers of each tokenizer's row (for the prior's figures,
     the tokenizer's mean over its prior seeds), so the spread is the tokenizer run's."""
     from ddcl_vq.eval.study.aggregate import mean_sd
-
     arms: Dict[str, List[Dict]] = {}
     for g in groups:
         arms.setdefault(g["group"], []).append(g)
@@ -361,7 +353,6 @@ def markdown(groups: Sequence[Dict]) -> str:
 
 def write_tables(out: Path, spec: PriorStudyFile, groups, seed_rows, runs, info) -> None:
     from ddcl_vq.eval.compare import write_csv
-
     text = [f"# {spec.name or 'prior study'}", "", spec.description.strip(), ""]
     if info["quick"]:
         text += ["**--quick: a smoke test (tiny tokenizers and priors); these figures measure nothing.**", ""]
@@ -389,10 +380,8 @@ def write_tables(out: Path, spec: PriorStudyFile, groups, seed_rows, runs, info)
 
 def write_plot(path: Path, groups: Sequence[Dict]) -> None:
     """Reconstruction vs generation: tokenizer PSNR against the prior's FD (left) and bits/token (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from ddcl_vq.eval.plots import pyplot, save
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     panels = (("fd_samples", "FD of samples, classifier features (lower: better)"),
               ("bits_per_token", "prior test NLL (bits/token)"))
@@ -416,9 +405,7 @@ def write_plot(path: Path, groups: Sequence[Dict]) -> None:
                 for i, k in enumerate(ks)]
     axes[1].legend(handles=handles, fontsize=7)
     fig.suptitle("Reconstruction vs generation (mean ± sd over prior seeds; FD is not Inception FID)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 @dataclass(kw_only=True)

@@ -13,10 +13,8 @@ ARM_TEXT = {
 
 
 def plots(results: Dict, out: Path) -> List[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from ddcl_vq.eval.plots import pyplot, save
+    plt = pyplot()
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm in results["arms"].values():
@@ -27,9 +25,7 @@ def plots(results: Dict, out: Path) -> List[str]:
     ax.set_title("Fashion-MNIST, patch transformer: readout arms")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "accuracy.png", dpi=120)
     files.append("accuracy.png")
 
     ddcl = [a for a in results["arms"].values() if a["readout"] == "ddcl"]
@@ -46,9 +42,7 @@ def plots(results: Dict, out: Path) -> List[str]:
         ax.set_title("DDCL readout: distortion = OLS + variance (train batches)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "ddcl_terms.png", dpi=120)
-        plt.close(fig)
+        save(fig, out / "ddcl_terms.png", dpi=120)
         files.append("ddcl_terms.png")
 
     comp = results.get("compressor")
@@ -67,9 +61,7 @@ def plots(results: Dict, out: Path) -> List[str]:
         ax.set_title("compressor: error vs ratio (test tokens)")
         ax.grid(alpha=0.3, which="both")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "compressor.png", dpi=120)
-        plt.close(fig)
+        save(fig, out / "compressor.png", dpi=120)
         files.append("compressor.png")
     return files
 
