@@ -59,7 +59,6 @@ def dataset_of(run_dir: Path) -> str:
     ``name CxSxS`` (and the folder, for image_folder; the test photographs, for natural_patches)."""
     from ddcl_vq.train.config import load_config
     from ddcl_vq.train.data import image_channels
-
     if not (Path(run_dir) / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
     data = load_config(Path(run_dir) / "config.yaml", migrate=True).data

@@ -28,7 +28,6 @@ def current_checkpoint(run_dir: Path) -> Optional[Tuple[int, Path]]:
     """(step, path) of the checkpoint an evaluation of ``run_dir`` would read now; None when there
     is none or none is readable (evaluate_run then says why)."""
     from ddcl_vq.train.checkpoint import CheckpointError, latest_checkpoint
-
     try:
         found = latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
     except CheckpointError:

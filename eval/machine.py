@@ -31,7 +31,6 @@ def load_average() -> Optional[List[float]]:
 def machine_info() -> Dict:
     """cpu, cores, torch threads, load average, torch and Python versions, CUDA, GPU, date (JSON-ready)."""
     import torch
-
     cuda = torch.cuda.is_available()
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "loadavg": load_average(), "torch": torch.__version__, "python": platform.python_version(),

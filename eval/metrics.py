@@ -76,7 +76,6 @@ def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
     one-channel images (the same values to float rounding; tests/test_eval.py).
     """
     from torchmetrics.functional.image import structural_similarity_index_measure
-
     b, c, h, w = target.shape
     stacked = torch.cat([p.float() for p in preds]).reshape(1, len(preds) * b * c, h, w)
     targets = target.float().repeat(len(preds), 1, 1, 1).reshape(1, len(preds) * b * c, h, w)

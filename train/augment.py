@@ -59,7 +59,6 @@ class CropFlip(Dataset):
         from torchvision.transforms import functional as TF
         from .dataerrors import CHECK_HINT, UnreadableImage, three_channels
         from .errors import one_line
-
         epoch, i = key if isinstance(key, tuple) else (0, key)
         path, label = self.samples[i]
         try:

@@ -24,7 +24,6 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     its test-split accuracy)."""
     from ddcl_vq.train.data import EpochBatches, build_dataset, image_channels, make_loader
     from ddcl_vq.train.progress import Progress
-
     train_set = build_dataset(data_cfg, "train", seed)
     test_set = build_dataset(data_cfg, "test", seed)
     labels = _all_labels(train_set)

@@ -49,7 +49,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
 
     from .config import dump_config, load_config
-
     # a run directory's own config.yaml (next to its checkpoints) is read as evaluate reads it:
     # keys of older versions migrated, so that an old run continues as it was trained
     from .rundir import follow_run_dir, note, run_dir_of_config

@@ -133,7 +133,6 @@ def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
     ``train_photos`` for the train split, ``test_photos`` for the test split (grey photographs as three
     equal channels)."""
     import skimage.data
-
     check_photos(train_photos, test_photos)
     names = train_photos if split == "train" else test_photos
     gen = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
@@ -157,7 +156,6 @@ def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
 
 def _torchvision_dataset(name: str, split: str, root: str, download: bool, image_size: int) -> TensorImageDataset:
     from torchvision import datasets
-
     cls = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[name]
     try:
         ds = cls(root, train=split == "train", download=download)
@@ -194,7 +192,6 @@ def open_image(path: str):
     :class:`UnfaithfulImage`: converting it means guessing its scale (Pillow's RGB conversion
     clips such images to white)."""
     from PIL import Image
-
     with open(path, "rb") as f:
         img = Image.open(f)
         mode = img.mode
@@ -228,7 +225,6 @@ class ImageFiles(Dataset):
 
     def __init__(self, folder: Path, image_size: int):
         from torchvision import datasets, transforms
-
         tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
                                  transforms.ToTensor(), _three_channels])
         try:
@@ -318,7 +314,6 @@ def _digits_file() -> Optional[Path]:
     """scikit-learn's copy of the UCI digits (sklearn/datasets/data/digits.csv.gz), found without
     importing scikit-learn (slow); None when it is not installed or keeps the file elsewhere."""
     import importlib.util
-
     try:
         spec = importlib.util.find_spec("sklearn")
     except (ImportError, ValueError):

@@ -77,7 +77,6 @@ def init_from_export(model: nn.Module, source: str) -> None:
     """Load the exported model ``source`` into ``model`` (built from the new run's config) as
     described in the module docstring; ConfigError (one line) when it cannot be."""
     from ddcl_vq.models import VQVAE
-
     where = f"train.init_from {source!r}"
     read_as = _check_source(str(source), where)
     try:

@@ -279,7 +279,6 @@ class GANStep:
     def _synchronise(self) -> None:
         """Average the discriminator's gradients over the processes; its buffers (BatchNorm) from rank 0."""
         import torch.distributed as dist
-
         grads = [p.grad for p in self.disc.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)

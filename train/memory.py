@@ -52,7 +52,6 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
     except ImportError:  # before the block policy had its own module
         from ddcl_vq.assignment import BLOCK_LIVE_TENSORS, block_rows
     from .builders import build_model
-
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what the model's build warns about, the real build says (once)
         model = build_model(cfg, in_channels)  # shapes only: nothing is allocated

@@ -50,7 +50,6 @@ def load_patches(split: str, size: int, patch: int, seed: int) -> Tuple[Tensor, 
     """Real Fashion-MNIST as uint8 patch tokens (N, T, patch*patch) and int64 labels (N,); a fixed random
     subset if size < N."""
     from .data import fashion_mnist_arrays
-
     images, labels = fashion_mnist_arrays(split)
     if size < len(images):
         pick = np.random.default_rng(seed).permutation(len(images))[:size]

@@ -205,7 +205,6 @@ def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str
     """RUN_DIR/summary.json when it describes the run finished at ``step`` completely (with its
     end-of-run evaluation when train.eval_images > 0); None when something is left to do."""
     import json
-
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -287,7 +286,6 @@ def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
     line, nothing but what set-up writes — with the parent folders it created; -> whether it did.
     A run that trained (a checkpoint, or a metrics line that shows why it failed) is kept."""
     import shutil
-
     run_dir = Path(run_dir).absolute()
     if created is None or not run_dir.is_dir():
         return False
@@ -313,7 +311,6 @@ def keep_logged_steps(metrics: Path, step: int) -> None:
     (metrics.jsonl) for later steps — the killed session logged them, the resumed one logs them
     again — and a line cut short by the kill. Rewritten atomically; nothing to do when every line is kept."""
     import json
-
     metrics = Path(metrics)
     if not metrics.is_file():
         return

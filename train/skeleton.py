@@ -46,7 +46,6 @@ def setup_distributed(device_pref: str = "auto") -> Dict:
     """Initialise torch.distributed from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK),
     if present: NCCL on GPUs, gloo on CPUs. -> {"rank", "world", "device"}."""
     from .settings import ConfigError
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
     if device_pref == "cuda" and not torch.cuda.is_available():

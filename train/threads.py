@@ -114,7 +114,6 @@ def set_threads(threads: Optional[int] = None) -> int:
     (and keeps why in :data:`chosen`)."""
     global chosen
     import torch
-
     if threads:
         n, chosen = threads, "set"
     else:

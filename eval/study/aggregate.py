@@ -93,7 +93,6 @@ def write_seed_tables(out: Path, groups: Sequence[Dict], rows: Sequence[Dict], e
     table_runs.csv (one row per run), table.json (both)."""
     from ddcl_vq.eval.compare import COLUMN_DEFINITIONS, markdown_table, table_footer, write_csv
     from ddcl_vq.eval.metrics import definitions
-
     out = Path(out)
     text = [mean_sd_table(groups), "", "Per seed:", "", markdown_table(rows), "", table_footer(evals, command), "",
             "Seeds:", "```", SEED_DEFINITIONS, "```", ""]

@@ -55,12 +55,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     set_threads(opts.threads)
     from .parts import run_parts  # a study with parts (held-out data): one comparison per part
-
     result = (run_parts if study.parts else run_study)(study, train_arms=not opts.report_only, progress=True,
                                                        verbose=opts.verbose, command=command, jobs=opts.jobs,
                                                        threads=opts.threads)
     from ddcl_vq.eval.compare import markdown_table
-
     from .aggregate import mean_sd_table
     if study.parts:
         print(result["summary"])

@@ -44,7 +44,6 @@ def describe_data(cfg, split: str = "test") -> str:
 def evaluated_config(arm: Arm, part: Part):
     """The arm's config as its held-out evaluation reads it (the part's eval_overrides applied)."""
     from ddcl_vq.train.config import Config, apply_overrides
-
     return Config.from_dict(apply_overrides(arm.config.to_dict(), part.eval_overrides), saved=True)
 
 
@@ -54,7 +53,6 @@ def heldout_eval(arm: Arm, part: Part, study: Study) -> Dict:
     own eval.json is never touched)."""
     from ddcl_vq.eval.evaluate import EvaluateError, eval_path, evaluate_run, heldout_tag, write_eval
     from ddcl_vq.eval.freshness import current_checkpoint, is_fresh, read_eval
-
     run_dir, ev = Path(arm.config.run.dir), study.eval
     tag = heldout_tag(run_dir, part.eval_overrides, ev.split)
     if tag is None:
@@ -79,10 +77,8 @@ def compare_heldout(sub: Study, part: Part, finished: List[Arm], command: Option
     (tables, plots, report.md). -> (that folder, rows, mean ± sd groups or None, failed arms)."""
     from ddcl_vq.eval.compare import make_row, write_plots, write_tables
     from ddcl_vq.eval.evaluate import heldout_tag
-
     from .aggregate import aggregate, write_seed_tables
     from .report import render_report
-
     failed: Dict[str, str] = {}
     evaluated: List[Tuple[Arm, Dict]] = []
     for arm in finished:
@@ -125,14 +121,12 @@ def compare_heldout(sub: Study, part: Part, finished: List[Arm], command: Option
 
 def _table(rows: List[Dict], groups: Optional[List[Dict]]) -> str:
     from ddcl_vq.eval.compare import markdown_table
-
     from .aggregate import mean_sd_table
     return markdown_table(rows) if groups is None else mean_sd_table(groups)
 
 
 def _section(title: str, link: str, rows: List[Dict], groups: Optional[List[Dict]]) -> List[str]:
     from .report import headline
-
     if not rows:
         return [f"### {title}", "", "No arm finished.", ""]
     return [f"### {title}", "", _table(rows, groups), "", "Computed from the table:", ""]\
@@ -145,7 +139,6 @@ def run_parts(study: Study, train_arms: bool = True, progress: bool = True, verb
     held-out evaluation (:func:`compare_heldout`), then OUT/report.md and OUT/study.json.
     -> {"parts": [...], "failed", "unfinished", "summary": the report's tables as text}."""
     from .run import StudyError, check_out, check_run_dir, claim_out, run_study
-
     check_out(study)  # before anything trains: OUT and every part's folder
     for part in study.parts:
         check_out(part_study(study, part))

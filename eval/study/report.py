@@ -102,9 +102,7 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
     """report.md; ``groups``: with seeds, the mean ± sd rows (one per arm x sweep point)."""
     from ddcl_vq.eval.compare import COLUMN_DEFINITIONS, markdown_table
     from ddcl_vq.eval.metrics import definitions
-
     from .aggregate import SEED_DEFINITIONS, mean_sd_table
-
     b = study.arms[0].config
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "
               f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "

@@ -104,7 +104,6 @@ def _train_subprocess(arm: Arm, threads: Optional[int]) -> Optional[str]:
     """Train one arm in a child process (``python -m ddcl_vq.train``) with ``threads`` (default 1)
     intra-op threads (the arm's own train.threads wins); None on success, else the reason."""
     import subprocess
-
     from ddcl_vq.train.config import dump_config
     run_dir = Path(arm.config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +131,6 @@ class StudyRun:
 
     def __init__(self, study: Study, progress: bool = True):
         from ddcl_vq.train.progress import Progress
-
         self.study = study
         self.done: Dict[str, Dict] = {}
         self.failed: Dict[str, str] = {}
@@ -161,7 +159,6 @@ class StudyRun:
     def evaluate(self, arm: Arm, trained: bool) -> None:
         """Evaluate a trained arm (``eval.json``, reused when it matches); a failure is recorded."""
         from ddcl_vq.eval.compare import ensure_eval
-
         ev = self.study.eval
         try:
             result = ensure_eval(Path(arm.config.run.dir), ev.split, ev.max_images, ev.batch_size)
@@ -203,7 +200,6 @@ def train_in_process(run: StudyRun, arms: Sequence[Arm], verbose: bool, threads:
     the arm's train.threads, else ``threads`` (None: automatic, :mod:`ddcl_vq.train.threads`)."""
     from ddcl_vq.train.loop import train
     from ddcl_vq.train.threads import set_threads
-
     for arm in arms:
         set_threads(arm.config.train.threads or threads)
         if run.progress is not None:
@@ -223,7 +219,6 @@ def train_in_subprocesses(run: StudyRun, arms: Sequence[Arm], jobs: int, threads
     """Train ``arms`` ``jobs`` at a time, each in its own process (:func:`_train_subprocess`), and
     evaluate each in this process as it ends."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
-
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(_train_subprocess, arm, threads): arm for arm in arms}
         for future in as_completed(futures):
@@ -241,7 +236,6 @@ def compare_finished(study: Study, finished: List[Arm], command: Optional[str]
     """The comparison tables and plots of the finished arms: one row per run, and with seeds one
     mean ± sd group per arm x sweep point (:func:`compare_seeds`; None without seeds)."""
     from ddcl_vq.eval.compare import compare
-
     if study.seeds is not None:
         return compare_seeds(study, finished, command)
     ev = study.eval
@@ -301,9 +295,7 @@ def compare_seeds(study: Study, finished: List[Arm], command: Optional[str]) -> 
     """A study with seeds: per-run rows, one mean ± sd row per arm x sweep point, the tables
     (:func:`write_seed_tables`) and the plots (per-run plots show each arm's first finished seed)."""
     from ddcl_vq.eval.compare import evaluate_runs, write_plots
-
     from .aggregate import aggregate, write_seed_tables
-
     ev = study.eval
     rows, evals = evaluate_runs([Path(a.config.run.dir) for a in finished], ev.split, ev.max_images,
                                 ev.batch_size, names=[a.name for a in finished])
