@@ -50,10 +50,6 @@ __all__ = ["compare", "evaluate_runs", "check_one_dataset", "CompareWriteError",
            "plot_usage_over_training", "plot_psnr_vs_utilization", "plot_reconstructions", "read_metrics",
            "train_seconds", "ms_per_step"]
 
-OUTPUTS = ("table.md", "table.csv", "table.json", "usage_histograms.png", "usage_over_training.png",
-           "psnr_vs_utilization.png", "reconstructions.png")
-
-
 def dataset_of(run_dir: Path) -> str:
     """What a run was trained and is evaluated on, as compare tells datasets apart:
     ``name CxSxS`` (and the folder, for image_folder; the test photographs, for natural_patches)."""

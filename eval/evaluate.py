@@ -1,10 +1,9 @@
-"""``ddcl-vq evaluate RUN_DIR``: one pass over a dataset split -> RUN_DIR/eval.json + a table.
+"""``ddcl-vq evaluate RUN_DIR``: one pass over a dataset split -> RUN_DIR/eval.json + a table (HELP says more).
 
-Loads RUN_DIR/config.yaml and the newest checkpoint (checkpoints/last.pt, weights_only),
-runs ddcl_vq.train.testset.reconstruction_pass with SSIM and LPIPS added on the same batches, and
-writes eval.json (rank 0 only). Under torchrun every process takes a disjoint share of the
-images and every metric is a float64 sum all-reduced before dividing, so the numbers equal
-a single-process pass up to float summation order.
+The run's newest checkpoint goes through ddcl_vq.train.testset.reconstruction_pass with SSIM and LPIPS added on
+the same batches; eval.json is written by rank 0. Under torchrun every process takes a disjoint share of the
+images and every metric is a float64 sum all-reduced before dividing, so the numbers equal a single-process
+pass up to float summation order.
 """
 from __future__ import annotations
 
@@ -182,8 +181,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     latent_positions = usage.num_vectors // max(result["num_images"], 1)
     training = getattr(model, "training_usage", None) or {}  # runs saved before 2026-12-04 have none
     out = {
-        "run": str(run_dir), "name": cfg.run.name, "step": step, "train_steps": cfg.train.steps, "checkpoint": str(ckpt),
-        "checkpoint_sha256": digest,  # what freshness is judged by (with step, split, images, overrides)
+        "run": str(run_dir), "name": cfg.run.name, "step": step, "train_steps": cfg.train.steps,
+        "checkpoint": str(ckpt), "checkpoint_sha256": digest,  # freshness is judged by it (with step, split, ...)
         "made_by": made_by, "dataset": cfg.data.name,
         **({"photos": list(cfg.data.train_photos if split == "train" else cfg.data.test_photos)}
            if cfg.data.name == "natural_patches" else {}),
@@ -193,10 +192,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "latent_positions_per_image": latent_positions,
         "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
         "recon": {"hard": hard, "soft": soft, "soft_minus_hard": _gap(soft, hard)},
-        "codebook": {"utilization": usage.utilization, "active_codes": usage.active_codes,
-                     "dead_codes": usage.dead_codes, "perplexity": usage.perplexity,
-                     "soft_perplexity": usage.soft_perplexity, "entropy_bits": usage.entropy_bits,
-                     "num_vectors": usage.num_vectors,
+        "codebook": {**{key: getattr(usage, key) for key in ("utilization", "active_codes", "dead_codes", "perplexity",
+                                                             "soft_perplexity", "entropy_bits", "num_vectors")},
                      "utilization_ceiling": uniform_ceiling(q.num_codes, usage.num_vectors),
                      **{key: training.get(key) for key in TRAINING_USAGE_KEYS},
                      **codebook_geometry(q.codebook, usage.counts)},
@@ -243,13 +240,11 @@ def write_eval(run_dir: Path, ev: Dict, path: Optional[Path] = None) -> Path:
     return path
 
 
-def fmt_value(v, spec: str) -> str:
+def fmt(v, spec: str) -> str:
     """``format(v, spec)``; '—' for None, and inf or nan as they are."""
     if v is None:
         return "—"
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return format(v, spec)
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else format(v, spec)
 
 
 def format_report(ev: Dict) -> str:
@@ -268,22 +263,21 @@ def format_report(ev: Dict) -> str:
         if r is None:
             continue
         sign = "+" if name == "soft_minus_hard" else ""
-        lines.append(f"| {name.replace('_', ' ')} | {fmt_value(r['mse'], sign + '.5f')} | {fmt_value(r['psnr'], sign + '.2f')} "
-                     f"| {fmt_value(r['ssim'], sign + '.4f')} | {fmt_value(r['lpips'], sign + '.4f')} |")
+        lines.append(f"| {name.replace('_', ' ')} | {fmt(r['mse'], sign + '.5f')} | {fmt(r['psnr'], sign + '.2f')} "
+                     f"| {fmt(r['ssim'], sign + '.4f')} | {fmt(r['lpips'], sign + '.4f')} |")
     c = ev["codebook"]
     lines += ["", "| utilization | active | dead | perplexity | soft perplexity | entropy (bits) |",
               "|---|---|---|---|---|---|",
               f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
-              f"| {fmt_value(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
-              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {fmt_value(c.get('utilization_ceiling'), '.1%')}; "
-              f"training's last indices: queue {fmt_value(c.get('queue_utilization'), '.1%')} of "
-              f"{fmt_value(c.get('queue_indices'), ',')} (ceiling {fmt_value(c.get('queue_ceiling'), '.1%')}), per batch "
-              f"{fmt_value(c.get('batch_utilization'), '.1%')} (ceiling {fmt_value(c.get('batch_ceiling'), '.1%')})",
-              f"code distances: min {fmt_value(c['min_code_distance'], '.4g')}, mean {fmt_value(c['mean_code_distance'], '.4g')} "
-              f"(all codes); min {fmt_value(c['min_active_code_distance'], '.4g')}, mean "
-              f"{fmt_value(c['mean_active_code_distance'], '.4g')} (active codes)",
-              f"lpips: {ev['lpips_note']}",
-              f"rfid: {fmt_value(ev['rfid'], '.3f')} ({ev['rfid_note']})",
+              f"| {fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
+              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {fmt(c.get('utilization_ceiling'), '.1%')}; "
+              f"training's last indices: queue {fmt(c.get('queue_utilization'), '.1%')} of "
+              f"{fmt(c.get('queue_indices'), ',')} (ceiling {fmt(c.get('queue_ceiling'), '.1%')}), per batch "
+              f"{fmt(c.get('batch_utilization'), '.1%')} (ceiling {fmt(c.get('batch_ceiling'), '.1%')})",
+              f"code distances: min {fmt(c['min_code_distance'], '.4g')}, mean {fmt(c['mean_code_distance'], '.4g')} "
+              f"(all codes); min {fmt(c['min_active_code_distance'], '.4g')}, mean "
+              f"{fmt(c['mean_active_code_distance'], '.4g')} (active codes)", f"lpips: {ev['lpips_note']}",
+              f"rfid: {fmt(ev['rfid'], '.3f')} ({ev['rfid_note']})",
               f"command: {ev['command']}", "", "definitions:", ev["definitions"]]
     return "\n".join(lines)
 

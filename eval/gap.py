@@ -1,30 +1,20 @@
-"""``ddcl-vq gap RUN_DIR ...``: where a trained run's reconstruction error comes from.
+"""``ddcl-vq gap RUN_DIR ...``: where a trained run's reconstruction error comes from (HELP says what it measures).
 
-For each run, on the first ``--images`` images of the split:
+The row's keys, on the first ``--images`` images of the split: ``psnr_hard`` (the decoder on the hard codes:
+what a prior or a deployed decoder sees); ``psnr_unquantized`` (the decoder fed the encoder's features without
+quantization — a decoder trained only on coarse codes may not read features between them: in the VQGAN recipe
+every quantizer's gap is within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md); ``gap_db`` =
+psnr_unquantized − psnr_hard; ``relative_distortion`` (mean squared nearest-code distance over the features'
+total variance); ``psnr_lloyd`` (after ``--lloyd`` hard k-means steps on ``--fit-images`` training images'
+features; each step assigns to the nearest code and moves each code with vectors to their mean). The last four
+are left out for FSQ and LFQ, whose index rounds a projection rather than naming the nearest code (their
+decoder never sees the encoder's features as they are).
 
-- ``psnr_hard``: the decoder on the hard codes (what a prior or a deployed decoder sees);
-- ``psnr_unquantized``: the decoder fed the encoder's features *without* quantization — what this
-  encoder/decoder pair reaches with an infinitely fine codebook, provided the decoder reads features
-  between the codes (a decoder trained only on coarse codes may not: in the VQGAN recipe every
-  quantizer's gap is within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md);
-- ``gap_db`` = psnr_unquantized − psnr_hard: the part of the error due to quantization;
-- ``relative_distortion``: mean squared distance of a feature vector to its nearest code over the
-  features' total variance (how finely the codebook covers the features);
-- ``psnr_lloyd``: hard PSNR after ``--lloyd`` hard k-means (Lloyd) steps of the codebook on
-  ``--fit-images`` training images' features (each step: assign to the nearest code, move each
-  code with vectors to their mean). If these add nothing, the codebook already sits where hard
-  k-means would put it and the remaining error is the autoencoder's or the codebook size's. Not
-  for FSQ or LFQ, whose index rounds a projection rather than naming the nearest code (nor the
-  unquantized PSNR, gap and distortion: their decoder never sees the encoder's features as they are).
-
-And how stable the tokens are (what a prior over them pays for, docs/prior.md):
-
-- ``token_flips``: the fraction of hard tokens that change when Gaussian pixel noise of sd
-  ``--noise`` (default 0.005, about 1.3/255; fixed seed) is added to the images (clamped to [0, 1]);
-- ``duplicate_codes``: codes whose nearest other code is closer (squared distance) than 1% of the
-  median squared nearest-other-code distance — one code in two places; ``duplicate_token_share``:
-  the share of the measured tokens that are such codes, ``duplicate_token_flips``: how often those
-  tokens flip under the noise.
+How stable the tokens are (what a prior over them pays for, docs/prior.md): ``token_flips`` (under Gaussian
+pixel noise of sd ``--noise``, about 1.3/255 at the default; fixed seed; images clamped to [0, 1]),
+``duplicate_codes`` (nearest other code closer than :data:`DUPLICATE_FRACTION` of the median squared
+nearest-other-code distance: one code in two places), ``duplicate_token_share`` (the share of the measured
+tokens that are such codes) and ``duplicate_token_flips`` (how often those flip under the noise).
 
 Shapes: features are (B, D, h, w); the codebook is (K, D). The hard codes are the quantizer's own
 (its forward in eval mode); for a quantizer that assigns the nearest code, the re-fitted codebook
@@ -152,8 +142,7 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     dist = (flat - rearrange(hard, "b d h w -> (b h w) d")).pow(2).sum(1)
     variance = float((flat - flat.mean(0)).pow(2).sum(1).mean())
     out = {"run": str(run_dir), "step": step, "split": split, "data": measured.name, "num_images": len(x),
-           "num_codes": int(codebook.shape[0]),
-           "psnr_hard": _psnr(model, x, hard, batch_size),
+           "num_codes": int(codebook.shape[0]), "psnr_hard": _psnr(model, x, hard, batch_size),
            "psnr_unquantized": None, "relative_distortion": None, "gap_db": None}
     if quantizer.assigns_nearest_code:  # FSQ/LFQ: the decoder never sees z, only a projection of it
         out.update(psnr_unquantized=_psnr(model, x, z, batch_size),

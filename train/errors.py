@@ -87,8 +87,7 @@ def entry_point(prog: str) -> Callable:
         def run(argv: Optional[List[str]] = None) -> int:
             args = list(sys.argv[1:] if argv is None else argv)
             debug = DEBUG_FLAG in args
-            if debug:
-                args = [a for a in args if a != DEBUG_FLAG]
+            args = [a for a in args if a != DEBUG_FLAG]
             formatwarning = warnings.formatwarning
             warnings.formatwarning = _one_line_warnings(prog, formatwarning)
             try:

@@ -14,9 +14,7 @@ def tool(name: str) -> str:
     """The console script ``name`` (``ddcl-vq``, ``tensorboard``) as an absolute path when it sits
     next to the running Python, else ``name``; quoted for a shell."""
     path = Path(sys.executable).parent / name
-    if path.is_file() and os.access(path, os.X_OK):
-        return shlex.quote(str(path.absolute()))
-    return name
+    return shlex.quote(str(path.absolute())) if path.is_file() and os.access(path, os.X_OK) else name
 
 
 def where(path: str | os.PathLike) -> str:

@@ -214,8 +214,7 @@ def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.opt
         recon_loss = F.mse_loss(out.reconstruction.float(), x)
         loss = recon_loss + t.quantizer_loss_weight * out.quantizer.loss
     else:  # the loss section: pixel, perceptual, adversarial (recon_loss: the pixel MSE, logged)
-        loss, recon_loss = gan.generator_loss(x, out.reconstruction, t.quantizer_loss_weight * out.quantizer.loss,
-                                              step)
+        loss, recon_loss = gan.generator_loss(x, out.reconstruction, t.quantizer_loss_weight * out.quantizer.loss, step)
     if not torch.isfinite(loss):
         raise Diverged(f"step {step}: loss is {loss.item()}; lower train.lr (now {t.lr:g}) or check the data")
     optimizer.zero_grad(set_to_none=True)

@@ -18,10 +18,8 @@ a perceptual loss is a ConfigError, never a random trunk. The discriminator is t
 (beta = (0.5, 0.9)) and the generator's learning-rate schedule; before ``disc_start`` it is neither
 run nor updated (its loss is 0 and the generator gets no adversarial gradient).
 
-The training loop calls :class:`GANStep` in three places: ``generator_loss`` (instead of the plain
-MSE), ``discriminator_step`` (after the generator's optimizer step) and ``state_dict`` /
-``load_state_dict`` (through the checkpoint). With the defaults (pixel l2, weight 1, no perceptual,
-no discriminator) :meth:`GANStep.from_config` returns None and the loop runs exactly as before.
+The training loop drives it through :class:`GANStep`; with the defaults (pixel l2, weight 1, no
+perceptual, no discriminator) there is none and the loop runs exactly as before.
 """
 from __future__ import annotations
 
@@ -74,11 +72,6 @@ class NLayerDiscriminator(nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.normal_(m.weight, 1.0, 0.02)
                 nn.init.zeros_(m.bias)
-
-    @staticmethod
-    def min_image_size(n_layers: int) -> int:
-        """The smallest image side that leaves at least one logit: side / 2**n_layers >= 3."""
-        return 3 * 2 ** n_layers
 
     def forward(self, x: Tensor) -> Tensor:
         return self.main(x)

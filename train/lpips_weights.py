@@ -32,11 +32,9 @@ __all__ = ["NETS", "UnsafePickleError", "NumpyOnlyUnpickler", "restricted_load",
 NETS = {"alex": ("alexnet.ckpt", "AlexNet_0", 5, "AlexNet_Weights"),
         "vgg": ("vgg16.ckpt", "VGG16_0", 13, "VGG16_Weights")}
 
-_NUMPY_ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-}
+_NUMPY_ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                  ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy._core.multiarray", "scalar")}
 _BUILTINS_ALLOWED = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool"}
 
 

@@ -47,10 +47,7 @@ class Estimate:
 
 def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1) -> Estimate:
     """A lower bound of the memory one training process needs for ``cfg`` on ``device``."""
-    try:
-        from ddcl_vq.blocks import BLOCK_LIVE_TENSORS, block_rows
-    except ImportError:  # before the block policy had its own module
-        from ddcl_vq.assignment import BLOCK_LIVE_TENSORS, block_rows
+    from ddcl_vq.blocks import BLOCK_LIVE_TENSORS, block_rows
     from .builders import build_model
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what the model's build warns about, the real build says (once)

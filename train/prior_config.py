@@ -68,12 +68,10 @@ class PriorConfig:
         return dataclasses.asdict(self)
 
 
-RULES = Rules(
-    choices={"train.lr_schedule": ("constant", "cosine"), "train.device": ("auto", "cpu", "cuda")},
+RULES = Rules(choices={"train.lr_schedule": ("constant", "cosine"), "train.device": ("auto", "cpu", "cuda")},
     positive={"model.dim", "model.layers", "model.heads", "model.mlp_ratio", "train.steps", "train.batch_size",
               "train.lr", "train.log_every", "train.checkpoint_every", "train.eval_every"},
-    non_negative={"model.dropout", "train.weight_decay", "train.warmup_steps", "train.grad_clip",
-                  "train.eval_images"})
+    non_negative={"model.dropout", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.eval_images"})
 
 #: settings that may change when a prior resumes: how long it trains, what it logs, where things are
 RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.eval_every", "train.eval_images",

@@ -43,19 +43,16 @@ class Progress:
     def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: int = 1,
                  stream: Optional[TextIO] = None, leave: bool = True, bar: Optional[bool] = None):
         self.total, self.desc, self.unit, self.n = int(total), desc, unit, int(initial)
-        self.every = max(int(every), 1)
-        self.stream = stream
+        self.every, self.stream, self.bar = max(int(every), 1), stream, None
         self.postfix: dict = {}
-        self.bar = None
-        self.start_n, self.t_start = self.n, time.time()
-        self.last_line = self.n
+        self.start_n, self.last_line, self.t_start = self.n, self.n, time.time()
         if interactive(stream) if bar is None else bar:
             from tqdm import tqdm
             self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, dynamic_ncols=True,
                             leave=leave, file=stream)
 
     def set_postfix(self, **values) -> None:
-        self.postfix = {k: v for k, v in values.items()}
+        self.postfix = dict(values)
         if self.bar is not None:
             self.bar.set_postfix(**values)
 

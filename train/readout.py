@@ -28,17 +28,12 @@ from .skeleton import TrainingRun, lr_schedule, metrics_records
 
 # arm name -> (readout kind, overrides of the DDCL settings)
 ARMS = {
-    "mean": ("mean", {}),
-    "cls": ("cls", {}),
-    "ddcl": ("ddcl", {}),
-    "ddcl_soft": ("ddcl", {"mode": "soft"}),
+    "mean": ("mean", {}), "cls": ("cls", {}), "ddcl": ("ddcl", {}), "ddcl_soft": ("ddcl", {"mode": "soft"}),
     "ddcl_joint": ("ddcl", {"mode": "soft", "distortion_to_tokens": True}),
     # ablations (not run by default): the timescale ratio, gradient routing, temperature
-    "ddcl_rho1": ("ddcl", {"prototype_lr_ratio": 1.0}),
-    "ddcl_ponly": ("ddcl", {"task_grad_to_prototypes": False}),
+    "ddcl_rho1": ("ddcl", {"prototype_lr_ratio": 1.0}), "ddcl_ponly": ("ddcl", {"task_grad_to_prototypes": False}),
     "ddcl_joint_rho1": ("ddcl", {"mode": "soft", "distortion_to_tokens": True, "prototype_lr_ratio": 1.0}),
-    "ddcl_tau0.03": ("ddcl", {"temperature": 0.03}),
-    "ddcl_tau0.3": ("ddcl", {"temperature": 0.3}),
+    "ddcl_tau0.03": ("ddcl", {"temperature": 0.03}), "ddcl_tau0.3": ("ddcl", {"temperature": 0.3}),
 }
 #: the study's options an arm's training depends on (a resumed arm must have the same)
 ARM_SETTINGS = ("steps", "batch_size", "lr", "seed", "train_size", "test_size", "patch", "dim", "layers", "heads",
@@ -142,8 +137,7 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
     ratio = over.get("prototype_lr_ratio", args.prototype_lr_ratio)
     to_tokens = over.get("distortion_to_tokens", False)
     task_to_protos = over.get("task_grad_to_prototypes", True)
-    xtr, ytr = train_data
-    xte, yte = test_data
+    (xtr, ytr), (xte, yte) = train_data, test_data
     settings = arm_settings(name, args)
     run = TrainingRun(Path(out) / "runs" / name, args.steps, checkpoint_every=args.eval_every,
                       log_every=args.log_every, name=f"{name:>12}", device="cpu", quiet=not show_progress,
@@ -197,9 +191,8 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
             if out_ is not None:
                 d, o, v = (float(t.detach()) for t in (out_.distortion, out_.ols, out_.variance))
                 window.identity_max = max(window.identity_max, abs(d - o - v) / max(d, 1e-30))
-                w["distortion"].append(d)
-                w["ols"].append(o)
-                w["variance"].append(v)
+                for key, value in zip(("distortion", "ols", "variance"), (d, o, v)):
+                    w[key].append(value)
                 w["perplexity"].append(float(out_.perplexity))
             if run.due(args.log_every, step + 1) or step == 0:
                 record = window.mean_record()

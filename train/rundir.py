@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import json
 import os
 import socket
 import sys
@@ -131,10 +132,7 @@ class RunLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        try:
-            self.path.unlink()  # while still held: a process that opens the path afterwards gets a new file
-        except FileNotFoundError:
-            pass
+        self.path.unlink(missing_ok=True)  # while still held: who opens the path afterwards gets a new file
         os.close(self.fd)
         self.fd = None
 
@@ -204,7 +202,6 @@ def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) 
 def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str, Any]]:
     """RUN_DIR/summary.json when it describes the run finished at ``step`` completely (with its
     end-of-run evaluation when train.eval_images > 0); None when something is left to do."""
-    import json
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -310,7 +307,6 @@ def keep_logged_steps(metrics: Path, step: int) -> None:
     """Before a run resumes from its checkpoint at ``step``: drop the lines of ``metrics``
     (metrics.jsonl) for later steps — the killed session logged them, the resumed one logs them
     again — and a line cut short by the kill. Rewritten atomically; nothing to do when every line is kept."""
-    import json
     metrics = Path(metrics)
     if not metrics.is_file():
         return

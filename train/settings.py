@@ -114,9 +114,7 @@ def _whole(value: Any) -> Optional[int]:
     a whole number a float holds exactly; None otherwise."""
     if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
         value = float(value)
-    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT:
-        return int(value)
-    return None
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT else None
 
 
 def _optional(annotation: Any) -> Tuple[Any, bool]:
@@ -184,8 +182,7 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
 
 
 def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = config_key,
-          candidates: Optional[Sequence[str]] = None,
-          unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
+          candidates: Optional[Sequence[str]] = None, unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
     """Set the fields of dataclass ``obj`` from the mapping ``raw`` (nested mappings into nested
     dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s);
     ``unknown``: the error for an unknown key, when it needs more than naming the nearest valid one."""
@@ -258,9 +255,7 @@ def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MIS
 
 
 def _fmt(value: Any, sep: Optional[str] = None) -> str:
-    if isinstance(value, (list, tuple)):
-        return (sep or " ").join(str(v) for v in value)
-    return str(value)
+    return (sep or " ").join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
 
 class Options:
@@ -292,11 +287,7 @@ class Options:
         return f"{'argument' if self.meta(name).get('positional') else 'option'} {self.flag(name)}"
 
     def _default(self, f: dataclasses.Field) -> Any:
-        if f.default is not MISSING:
-            return f.default
-        if f.default_factory is not MISSING:
-            return f.default_factory()
-        return MISSING
+        return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
 
     def _help(self, name: str) -> str:
         meta, f = self.meta(name), self.fields[name]

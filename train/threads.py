@@ -114,10 +114,7 @@ def set_threads(threads: Optional[int] = None) -> int:
     (and keeps why in :data:`chosen`)."""
     global chosen
     import torch
-    if threads:
-        n, chosen = threads, "set"
-    else:
-        n, chosen = auto_threads()
+    n, chosen = (threads, "set") if threads else auto_threads()
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
     return n

@@ -54,12 +54,8 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
                               "that contains itself)")
         open_nodes.add(key)
         total = 1
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [item for pair in node.value for item in pair]
-        else:
-            children = []
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else [])
         for child in children:
             total += size(child)
             if total > MAX_VALUES:

@@ -99,13 +99,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     shapes = ([parse_shape(s) for s in args.shapes] if args.shapes else list(QUICK_SHAPES) if quick
               else [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K])
     impls = args.impls or list(IMPLS)
-    warmup, repeats, max_seconds, budget = args.warmup, args.repeats, args.max_seconds, args.budget_seconds
+    plan = dict(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
+                budget_seconds=args.budget_seconds, probe_warmup=quick)
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
     if args.dry_run:
-        cal = calibrate(device)
         mb = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
-        plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                                  budget_seconds=budget, mem_budget=mb, cal=cal, probe_warmup=quick)
+        plans = plan_measurements(shapes, impls, mem_budget=mb, cal=calibrate(device), **plan)
         total = 0.0
         for p in plans:
             runs = 0 if p.skip else p.warmup + p.repeats + (p.probe == "separate")
@@ -117,11 +116,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     t0 = time.perf_counter()
     meta = machine_info()
-    rows = run_bench(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                     budget_seconds=budget, mem_budget=mem_budget, memory=args.memory,
-                     e2e=not args.no_e2e, e2e_repeats=11 if quick else 21, e2e_warmup=2,
-                     e2e_reference=not quick, vqgan=not args.no_vqgan, vqgan_repeats=5 if quick else 11,
-                     vqgan_warmup=1 if quick else 2, progress=not args.no_progress, probe_warmup=quick, device=device)
+    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
+                     e2e_repeats=11 if quick else 21, e2e_warmup=2, e2e_reference=not quick, vqgan=not args.no_vqgan,
+                     vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
+                     device=device, **plan)
     prior_rows, prior_text = [], ""
     if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.eval.prior.bench
         from ddcl_vq.eval.prior.bench import bench_prior

@@ -38,31 +38,27 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         except Exception as err:  # e.g. the optional peer package is missing
             errors[p.name] = f"{type(err).__name__}: {err}"
     live = [p for p in live if p.name in steps]
+
+    def call(p: Plan, probed_now: bool) -> float:
+        """One run of ``p``'s step: its seconds, and its peak memory when ``probed_now``."""
+        if probed_now:
+            probe.start()
+        seconds = time_once(steps[p.name])
+        if probed_now:
+            peak[p.name] = probe.stop()
+        return seconds
     # warm-up (first calls pay one-time costs), then the memory probe, then timed rounds
     for p in live:
         for i in range(p.warmup):
-            if probed and p.probe == "warmup" and i == p.warmup - 1:
-                probe.start()
-                steps[p.name]()
-                peak[p.name] = probe.stop()
-            else:
-                steps[p.name]()
+            call(p, probed and p.probe == "warmup" and i == p.warmup - 1)
         if probed and p.probe == "separate":
-            probe.start()
-            steps[p.name]()
-            peak[p.name] = probe.stop()
+            call(p, True)
         elif memory == "subprocess":
             peak[p.name] = probe_subprocess(p.name, shape)
     for r in range(max(p.repeats for p in live)):
         for p in live:
-            if r >= p.repeats:
-                continue
-            if probed and p.probe == "timed":
-                probe.start()                 # single cold run: time and memory from the same run
-                times[p.name].append(time_once(steps[p.name]))
-                peak[p.name] = probe.stop()
-            else:
-                times[p.name].append(time_once(steps[p.name]))
+            if r < p.repeats:  # "timed": a single cold run, time and memory from the same run
+                times[p.name].append(call(p, probed and p.probe == "timed"))
             if progress is not None and r == p.repeats - 1:
                 progress.update(1)
     for p in live:
@@ -74,7 +70,8 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         rows.append(dict(impl=name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=f"error: {msg}"))
         if progress is not None:
             progress.update(1)
-    del steps, inp
+    steps.clear()  # the steps' closures and the inputs go before the next shape
+    del inp
     gc.collect()
     return rows
 
@@ -84,8 +81,7 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
               e2e_batch: int = 128, e2e_reference: bool = True, vqgan: bool = False, vqgan_repeats: int = 5,
               vqgan_warmup: int = 2, vqgan_batch: int = 16, progress: bool = False,
-              calibration: Optional[float] = None, probe_warmup: bool = False,
-              device: str = "cpu") -> List[dict]:
+              calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu") -> List[dict]:
     """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step, ``e2e``, and the VQGAN-recipe
     step, ``vqgan``) on ``device`` ("cpu" or "cuda"); returns rows with ratios. On CUDA memory is the allocator's peak (method "cuda")."""
     if device != "cpu" and memory != "none":
@@ -95,8 +91,7 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     cal = calibrate(device) if calibration is None else calibration
     mem_budget = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal,
-                              probe_warmup=probe_warmup)
+                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal, probe_warmup=probe_warmup)
     bar = None
     if progress:
         from tqdm import tqdm

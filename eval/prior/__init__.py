@@ -4,9 +4,6 @@
 to the token files ``ddcl-vq tokenize`` writes; ``sample`` draws code maps and decodes them with the
 tokenizer's decoder; ``evaluate`` reports test NLL (bits/token, bits/image) and an offline sample-quality
 figure (Fréchet distance in a small classifier's features — not Inception FID — and class accuracy);
-``study`` puts several tokenizers through the same prior budget (configs/study_prior.yaml).
-
-Modules: ``data`` (token files, the tokenizer), ``sampling``, ``classifier`` (the feature classifier,
-Fréchet distance), ``evaluation``, ``study`` (the driver), ``bench`` (the sampling-speed row of ``ddcl-vq
-bench``), ``cli``; the prior's config and training loop are ``ddcl_vq.train.prior_config`` and ``.prior``.
+``study`` puts several tokenizers through the same prior budget (configs/study_prior.yaml). The prior's
+config and training loop are ``ddcl_vq.train.prior_config`` and ``ddcl_vq.train.prior``.
 """

@@ -31,8 +31,7 @@ def bench_prior(device: str = "cpu", count: int = 64, num_codes: int = 1024, gri
         time_sampling(model, min(count, 8), cache, 1, device)  # warm-up
         seconds, rate = time_sampling(model, count, cache, runs, device)
         rows.append({"impl": name, "images": count, "tokens": count * grid * grid, "K": num_codes, "dim": m.dim,
-                     "layers": m.layers, "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1),
-                     "repeats": runs})
+                     "layers": m.layers, "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1), "repeats": runs})
     text = [f"prior sampling (default prior: dim {m.dim}, {m.layers} layers, {m.heads} heads; K = {num_codes}, "
             f"{grid}x{grid} tokens, class-conditional; {torch.get_num_threads()} thread(s)):"]
     text += [f"  {r['impl']:<22} {r['images']} images in {r['seconds']:.2f} s  ({r['tokens_per_s']:,.0f} tokens/s, "

@@ -41,16 +41,14 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                     "grid": [model.height, model.width], "num_classes": model.num_classes,
                     "tokenizer": cfg.data.tokenizer, "uniform_bits_per_token": math.log2(model.num_codes)}
     files = list(test_tokens) if test_tokens else list(cfg.data.test_tokens)
-    nll = []
-    first_test = None
+    nll, first_test = [], None
     for path in files:
         tokens = load_tokens(path, model.num_codes, "test token file")
         if model.num_classes and tokens.labels is None:
             raise ClassifierUnavailable(f"test token file {path!r} has no labels; this prior is class-conditional")
         nll.append({"file": str(path), **nll_bits(model, tokens, batch_size, max_test, device)})
         first_test = first_test or tokens
-    result["nll"] = nll[0] if nll else None
-    result["nll_files"] = nll
+    result.update(nll=nll[0] if nll else None, nll_files=nll)
 
     decoder = load_tokenizer(cfg.data.tokenizer, device)
     labels = torch.arange(samples) % model.num_classes if model.num_classes else None
@@ -114,8 +112,7 @@ def format_eval(result: Dict) -> str:
         lines.append("Fréchet distance in classifier features (NOT Inception FID): samples "
                      f"{fd['samples_vs_real']:.3f}"
                      + (f", tokenizer reconstructions {fd['reconstructions_vs_real']:.3f}"
-                        if "reconstructions_vs_real" in fd else "")
-                     + f" (vs {fd['num_real']} real test images)")
+                        if "reconstructions_vs_real" in fd else "") + f" (vs {fd['num_real']} real test images)")
     elif result.get("frechet_unavailable"):
         lines.append(f"Fréchet distance: not computed ({result['frechet_unavailable']})")
     ca = result.get("class_accuracy")

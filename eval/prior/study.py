@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -134,18 +134,15 @@ def read_prior_study(path: str | Path) -> PriorStudyFile:
     return spec
 
 
-def _overrides(mapping: Dict[str, Any]) -> List[str]:
+def _overrides(mapping: Dict[str, Any], prefix: str = "") -> List[str]:
     """{section: {key: value}} -> ["section.key=value", ...] (values as YAML)."""
     out = []
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-            else:
-                out.append(f"{prefix}{key}=" + yaml.safe_dump(value, default_flow_style=True, width=10**6)
-                           .strip().removesuffix("...").strip())
-    walk(mapping, "")
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            out += _overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}=" + yaml.safe_dump(value, default_flow_style=True, width=10**6)
+                       .strip().removesuffix("...").strip())
     return out
 
 
@@ -226,12 +223,9 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
             evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
             if evaluation is None or evaluation.get("step") != summary["step"] or \
                     evaluation.get("samples", {}).get("count") != ev["samples"]:
-                evaluation = evaluate_prior(prior_dir, max_test=ev["max_test"], samples=ev["samples"], real=ev["real"],
-                                            temperature=ev["temperature"], top_k=ev["top_k"], seed=ev["seed"],
-                                            classifier_steps=ev["classifier_steps"], cache_dir=ev["cache_dir"],
-                                            progress=progress)
-            runs.append(_row(arm, trow, seed, evaluation, summary))
-            r = runs[-1]
+                evaluation = evaluate_prior(prior_dir, progress=progress, **{k: ev[k] for k in (
+                    "max_test", "samples", "real", "temperature", "top_k", "seed", "classifier_steps", "cache_dir")})
+            runs.append(r := _row(arm, trow, seed, evaluation, summary))
             say(f"{name}: {r['bits_per_token']:.4f} bits/token, FD {_fmt(r['fd_samples'], '.3f')}, "
                 f"class acc. {_fmt(r['class_accuracy'], '.1%')}")
     if not runs:
@@ -277,23 +271,28 @@ def _row(arm, trow: Dict, seed: int, ev: Dict, summary: Dict) -> Dict:
             "prior_seconds": summary.get("train_seconds")}
 
 
-def aggregate(runs: Sequence[Dict]) -> List[Dict]:
-    """One row per tokenizer: its own figures, and mean ± sd over the prior seeds."""
+def _mean_sd_rows(rows: Sequence[Dict], by: str, metrics, head: Callable, least: int = 1) -> List[Dict]:
+    """One row per value of ``by`` that at least ``least`` rows hold: ``head(value, members)``, then the mean
+    and sample sd over the members (``<key>``, ``<key>_sd``) of each of ``metrics``."""
     from ddcl_vq.eval.study.aggregate import mean_sd
     groups: Dict[str, List[Dict]] = {}
-    for r in runs:
-        groups.setdefault(r["tokenizer"], []).append(r)
+    for r in rows:
+        groups.setdefault(r[by], []).append(r)
     out = []
     for name, members in groups.items():
-        first = members[0]
-        row = {"tokenizer": name, "group": first.get("group", name), "tokenizer_seed": first.get("tokenizer_seed"),
-               "type": first["type"], "num_codes": first["num_codes"], "psnr": first["psnr"],
-               "utilization": first["utilization"], "perplexity": first["perplexity"], "log2_k": first["log2_k"],
-               "fd_recon": first["fd_recon"], "n": len(members), "prior_seeds": [m["prior_seed"] for m in members]}
-        for key, _, _ in METRICS:
-            row[key], row[f"{key}_sd"], _ = mean_sd([m[key] for m in members])
-        out.append(row)
+        if len(members) >= least:
+            out.append(head(name, members))
+            for key, _, _ in metrics:
+                out[-1][key], out[-1][f"{key}_sd"], _ = mean_sd([m[key] for m in members])
     return out
+
+
+def aggregate(runs: Sequence[Dict]) -> List[Dict]:
+    """One row per tokenizer: its own figures, and mean ± sd over the prior seeds."""
+    return _mean_sd_rows(runs, "tokenizer", METRICS, lambda name, members: {
+        "tokenizer": name, "group": members[0].get("group", name), "tokenizer_seed": members[0].get("tokenizer_seed"),
+        **{k: members[0][k] for k in ("type", "num_codes", "psnr", "utilization", "perplexity", "log2_k", "fd_recon")},
+        "n": len(members), "prior_seeds": [m["prior_seed"] for m in members]})
 
 
 #: what the table over tokenizer seeds averages: the tokenizer's figures, then the priors' means
@@ -305,20 +304,9 @@ def over_tokenizer_seeds(groups: Sequence[Dict]) -> List[Dict]:
     """One row per arm (``group``: the arm at one sweep point) trained on more than one tokenizer
     seed: mean ± sample sd over its tokenizers of each tokenizer's row (for the prior's figures,
     the tokenizer's mean over its prior seeds), so the spread is the tokenizer run's."""
-    from ddcl_vq.eval.study.aggregate import mean_sd
-    arms: Dict[str, List[Dict]] = {}
-    for g in groups:
-        arms.setdefault(g["group"], []).append(g)
-    out = []
-    for name, members in arms.items():
-        if len(members) < 2:
-            continue
-        row = {"arm": name, "type": members[0]["type"], "num_codes": members[0]["num_codes"], "n": len(members),
-               "tokenizer_seeds": [m["tokenizer_seed"] for m in members]}
-        for key, _, _ in SEED_METRICS:
-            row[key], row[f"{key}_sd"], _ = mean_sd([m[key] for m in members])
-        out.append(row)
-    return out
+    return _mean_sd_rows(groups, "group", SEED_METRICS, lambda name, members: {
+        "arm": name, "type": members[0]["type"], "num_codes": members[0]["num_codes"], "n": len(members),
+        "tokenizer_seeds": [m["tokenizer_seed"] for m in members]}, least=2)
 
 
 def seeds_markdown(rows: Sequence[Dict]) -> str:

@@ -56,17 +56,12 @@ def run_compressor(args, model: PatchTransformer, train_u8: Tensor, test_u8: Ten
             s = u.compute()
             per_stage_usage.append({"utilization": s.utilization, "perplexity": s.perplexity})
     mean_errs = window_mean_errors(fte, args.windows)
-    stages = []
-    for s, w in enumerate(args.windows):
-        stages.append({
-            "stage": s + 1, "window": w, "num_prototypes": comp.stages[s].num_prototypes,
-            "tokens_out_per_sequence": int(out.masks[s][0].sum()),
-            "ratio": float(out.ratios[s]), "cumulative_ratio": float(out.cumulative_ratios[s]),
-            "stage_error": float(out.errors[s]), "cumulative_error": float(out.cumulative_errors[s]),
-            "window_mean_cumulative_error": mean_errs[s],
-            "distortion": float(out.stages[s].distortion), "ols": float(out.stages[s].ols),
-            "variance": float(out.stages[s].variance), **per_stage_usage[s],
-        })
+    stages = [{"stage": s + 1, "window": w, "num_prototypes": comp.stages[s].num_prototypes,
+               "tokens_out_per_sequence": int(out.masks[s][0].sum()), "ratio": float(out.ratios[s]),
+               "cumulative_ratio": float(out.cumulative_ratios[s]), "stage_error": float(out.errors[s]),
+               "cumulative_error": float(out.cumulative_errors[s]), "window_mean_cumulative_error": mean_errs[s],
+               "distortion": float(out.stages[s].distortion), "ols": float(out.stages[s].ols),
+               "variance": float(out.stages[s].variance), **per_stage_usage[s]} for s, w in enumerate(args.windows)]
     return {"source_arm": model.kind, "tokens_per_sequence": int(fte.shape[1]), "windows": args.windows,
             "train_sequences": len(ftr), "test_sequences": len(fte), "steps": args.compressor_steps,
             "train_loss_first": first_loss, "train_loss_last": last_loss, "train_wall_s": wall, "stages": stages}

@@ -6,10 +6,7 @@ from typing import Dict, List
 
 from ddcl_vq import USAGE_DEFINITIONS
 
-ARM_TEXT = {
-    "mean": "masked mean of the final tokens",
-    "cls": "a learned class token prepended, its final state",
-}
+ARM_TEXT = {"mean": "masked mean of the final tokens", "cls": "a learned class token prepended, its final state"}
 
 
 def plots(results: Dict, out: Path) -> List[str]:

@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 #: the metrics averaged over seeds: (row key, header, format)
-METRICS = [
-    ("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_ssim", "SSIM hard", ".4f"), ("hard_lpips", "LPIPS hard", ".4f"),
-    ("utilization", "utilization", ".1%"), ("queue_utilization", "util. (queue)", ".1%"),
-    ("batch_utilization", "util. (batch)", ".1%"), ("dead_codes", "dead codes", ".1f"), ("perplexity", "perplexity", ".1f"),
-    ("ms_per_step", "ms/step", ".1f"),
-]
+METRICS = [("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_ssim", "SSIM hard", ".4f"),
+           ("hard_lpips", "LPIPS hard", ".4f"), ("utilization", "utilization", ".1%"),
+           ("queue_utilization", "util. (queue)", ".1%"), ("batch_utilization", "util. (batch)", ".1%"),
+           ("dead_codes", "dead codes", ".1f"), ("perplexity", "perplexity", ".1f"), ("ms_per_step", "ms/step", ".1f")]
 #: carried from the group's first run (the same for every seed of an arm × sweep point)
 SHARED = ("type", "num_codes", "settings", "utilization_ceiling", "queue_ceiling", "mode", "temperature", "temperature_schedule", "temperature_final",
           "codebook_lr_ratio", "split", "num_images")

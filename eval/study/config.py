@@ -64,11 +64,9 @@ from ddcl_vq.train.settings import ConfigError, Rules, build
 from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 from ddcl_vq.train.yamlfile import read_yaml_mapping
 
-QUICK_OVERRIDES = [
-    "model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
-    "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",
-    "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0", "loss.disc_start=2",
-]
+QUICK_OVERRIDES = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
+                   "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",
+                   "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0", "loss.disc_start=2"]
 QUICK_EVAL = {"max_images": 64, "grid_images": 4}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -270,8 +268,7 @@ def select_arms(arms: Sequence[Arm], patterns: Sequence[str], where: str) -> Lis
 
 
 def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] = None,
-               overrides: Sequence[str] = (), seeds: Optional[Sequence[int]] = None,
-               only: Sequence[str] = ()) -> Study:
+               overrides: Sequence[str] = (), seeds: Optional[Sequence[int]] = None, only: Sequence[str] = ()) -> Study:
     """Read and validate a study YAML; every arm's config is built (and checked) here.
 
     ``seeds``: replaces the file's ``seeds``; ``only``: shell patterns selecting arms by name or by
@@ -327,8 +324,7 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
                     raise ConfigError(f"study {path.name}: arm name {arm_name!r} appears twice")
                 seen.add(arm_name)
                 all_overrides = ((part.overrides if part else []) + _as_overrides(combo, "sweep") + arm_overrides
-                                 + quick_overrides + list(overrides)
-                                 + ([] if seed is None else [f"run.seed={seed}"])
+                                 + quick_overrides + list(overrides) + ([] if seed is None else [f"run.seed={seed}"])
                                  + [f"run.name={arm_name}", f"run.dir={out_dir / 'runs' / arm_name}"])
                 try:
                     cfg = Config.from_dict(apply_overrides(spec.base, all_overrides))

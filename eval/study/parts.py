@@ -29,8 +29,7 @@ def part_study(study: Study, part: Part) -> Study:
     """The arms of ``part`` as a study of their own, reporting into OUT/<part>/."""
     description = "\n\n".join(text for text in (part.description, study.description) if text)
     return dataclasses.replace(study, name=f"{study.name}_{part.name}", description=description,
-                               out=study.out / part.name, arms=[a for a in study.arms if a.part == part.name],
-                               parts=[])
+                               out=study.out / part.name, arms=[a for a in study.arms if a.part == part.name], parts=[])
 
 
 def describe_data(cfg, split: str = "test") -> str:

@@ -123,8 +123,7 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
                                              if study.quick else ""),
               f"- Date: this report {info['date_start']} → {info['date_end']} ({info['wall_seconds'] / 60:.1f} min "
               f"for this invocation; finished arms are not retrained); {trained}",
-              f"- Machine at start: {info['machine_start']}",
-              f"- Machine at end: {info['machine_end']}",
+              f"- Machine at start: {info['machine_start']}", f"- Machine at end: {info['machine_end']}",
               f"- Shared budget (every arm): {budget}",
               f"- Evaluation: {ev.split} split, "
               f"{'all' if not ev.max_images else 'first ' + str(ev.max_images)} images, hard codes "
@@ -158,10 +157,9 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
                  "Usage histograms, usage during training and reconstructions show each arm's first seed; "
                  "PSNR vs utilization shows means with ± sd bars.")
     lines += ["", "## Plots", ""] + ([seed_note, ""] if seed_note else []) + [
-              "![sorted code usage](usage_histograms.png)", "",
-              "![usage during training](usage_over_training.png)", "",
-              "![PSNR vs utilization](psnr_vs_utilization.png)", "",
-              "![reconstructions](reconstructions.png)", "", "## Arms", ""]
+              "![sorted code usage](usage_histograms.png)", "", "![usage during training](usage_over_training.png)", "",
+              "![PSNR vs utilization](psnr_vs_utilization.png)", "", "![reconstructions](reconstructions.png)", "",
+              "## Arms", ""]
     if study.seeds is None:
         for arm in study.arms:
             lines.append(f"- `{arm.name}`: " + " ".join(f"`{o}`" for o in arm.overrides))

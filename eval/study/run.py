@@ -95,9 +95,7 @@ def claim_out(study: Study) -> None:
 
 def arm_status(arm: Arm) -> str:
     step = checkpoint_step(Path(arm.config.run.dir))
-    if step is None:
-        return "new"
-    return "finished" if step >= arm.config.train.steps else f"interrupted at step {step}"
+    return "new" if step is None else "finished" if step >= arm.config.train.steps else f"interrupted at step {step}"
 
 
 def _train_subprocess(arm: Arm, threads: Optional[int]) -> Optional[str]:

@@ -1,12 +1,8 @@
-"""``ddcl-vq decode MODEL TOKENS --out grid.png``: code indices -> images, as a PNG grid.
+"""``ddcl-vq decode MODEL TOKENS --out grid.png``: code indices -> images, as a PNG grid (HELP: what it reads).
 
-MODEL is a run directory, an exported folder or its Hub id; TOKENS a token file (.npy or
-.safetensors), e.g. what ``ddcl-vq tokenize`` wrote or what a prior sampled: (N, h, w) maps, one
-(h, w) map, or flat (N, h·w) sequences laid out on the model's latent grid (or ``--shape H W``),
-of integers of any integer dtype in [0, K). Each map is decoded from its hard codes
-(``VQVAE.decode_indices``). Tokens whose metadata names another K are refused; maps of another
-grid size than the model was trained on are decoded with a note (the decoder is convolutional).
-The PNG is written atomically.
+Each map is decoded from its hard codes (``VQVAE.decode_indices``). Tokens whose metadata names another K are
+refused; maps of another grid size than the model was trained on are decoded with a note (the decoder is
+convolutional). The PNG is written atomically.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""``ddcl-vq export RUN_DIR OUT_DIR``: a trained run -> a model folder the ecosystem can load.
+"""``ddcl-vq export RUN_DIR OUT_DIR``: a trained run -> a model folder the ecosystem can load (HELP: what the
+folder holds, how it is checked and loaded; ``--format diffusers``: :mod:`.export_diffusers`).
 
-OUT_DIR gets ``config.json`` (the constructor arguments of encoder, quantizer and decoder, taken
-from the run's resolved config, plus the quantizer's temperature state, the run and the data),
-``model.safetensors`` (weights and every quantizer buffer; no pickle) and ``README.md`` (a model
-card). ``VQVAE.from_pretrained(OUT_DIR)`` loads it offline; ``--push-to-hub USER/NAME`` uploads it
-where there is network. Before it finishes, the command loads the folder back and checks that it
-reproduces the run's hard reconstructions and indices bit for bit.
+config.json holds the constructor arguments of encoder, quantizer and decoder from the run's resolved config,
+plus the quantizer's temperature state, the run and the data; ``--push-to-hub USER/NAME`` uploads the folder.
 """
 from __future__ import annotations
 

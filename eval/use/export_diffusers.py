@@ -15,13 +15,10 @@ and torch only — no ddcl-vq::
 Only a quantizer whose hard index is the nearest codebook row (``Quantizer.assigns_nearest_code``)
 can be exported so: diffusers' VQModel encodes by nearest-code search, so FSQ, LFQ (a rounded
 projection) or IBQ with dot-product logits would load as a model that encodes other codes; they are
-refused up front. The folder is written into a hidden folder beside OUT_DIR and checked there
-before it is moved into place: loaded with ``VQModel.from_pretrained``, it must decode the run's hard
-codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (max absolute difference,
-images in [0, 1]; the same modules and weights, so 0 is what is measured on one machine), and
-diffusers' own encoder + nearest-code search must pick the run's codes wherever they are not ties
-(both codes at the same distance up to float32 rounding, :data:`TIE_RTOL`); otherwise nothing is
-written and the command fails. The agreement is reported.
+refused up front. The folder is checked before it is moved into place: loaded by diffusers alone, it
+must decode the run's hard codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (the
+same modules and weights: 0 is what one machine measures), and diffusers' own nearest-code search must
+pick the run's codes wherever they are not ties (:data:`TIE_RTOL`); otherwise nothing is written.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""``ddcl-vq tokenize MODEL --split train --out FILE``: a dataset split -> hard code indices.
+"""``ddcl-vq tokenize MODEL --split train --out FILE``: a dataset split -> hard code indices (HELP: what it
+reads and writes; :mod:`.files`: the file format).
 
-MODEL is a run directory, a folder written by ``ddcl-vq export`` or its Hub id; an export names
-its dataset (``config.json`` ``data``: name, image size, seed), dotted ``data.*`` overrides say
-where it lives here (e.g. ``data.root=/path`` for an image folder).
-
-Every image of the split, in dataset order, is encoded by the run's model (eval mode: the hard
-indices ``VQVAE.encode_indices`` gives) into an (N, h, w) array of the smallest unsigned integer
-type that holds K (uint8 for K ≤ 256, uint16 for K ≤ 65,536), with the labels when the dataset
-has them. FILE ends in ``.npy`` (labels beside it in ``.labels.npy``) or ``.safetensors`` (one
-file, with metadata): a prior's data loader reads either with numpy or safetensors alone. The
-file is written once, at the end, atomically; encoding is fast (Fashion-MNIST's 60,000 training
-images take about 90 s on one shared CPU core with the default model), so there is nothing to resume.
+Every image of the split, in dataset order, is encoded by the model in eval mode (``VQVAE.encode_indices``).
+The file is written once, at the end, atomically; encoding is fast (Fashion-MNIST's 60,000 training images
+take about 90 s on one shared CPU core with the default model), so there is nothing to resume.
 """
 from __future__ import annotations
 
@@ -156,8 +149,7 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
     try:
         dataset = build_dataset(cfg.data, split, cfg.run.seed)
     except DataUnavailable as err:
-        if exported and cfg.data.name == "image_folder" and not any(str(o).startswith("data.root=")
-                                                                   for o in overrides):
+        if exported and cfg.data.name == "image_folder" and not any(str(o).startswith("data.root=") for o in overrides):
             raise TokenFileError(f"{err}; an export records its dataset's name and image size, not where an image "
                                  "folder is: pass data.root=/path/to/the/folder") from None
         raise
