@@ -102,12 +102,6 @@ class CompareWriteError(EvaluateError):
         self.rows = rows
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Move every file made in ``staging`` into ``out``, each by one rename (atomic per file)."""
-    for path in sorted(staging.iterdir()):
-        os.replace(path, out / path.name)
-
-
 def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
             batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None, grid_images: int = 8,
             progress: bool = False, command: Optional[str] = None) -> List[Dict]:
@@ -128,7 +122,8 @@ def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "t
         try:
             write_tables(staging, rows, evals, split, max_images, command)
             write_plots(staging, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
-            _publish(staging, out)
+            for path in sorted(staging.iterdir()):  # into place, each file by one rename (atomic per file)
+                os.replace(path, out / path.name)
         except OSError as err:
             raise CompareWriteError(rows, f"could not write the comparison into {str(out)!r} "
                                           f"({type(err).__name__}: {err.strerror or err})") from None

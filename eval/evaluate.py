@@ -86,18 +86,14 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
 TRAINING_USAGE_KEYS = ("queue_utilization", "queue_indices", "queue_ceiling", "batch_utilization", "batch_ceiling")
 
 
-#: what evaluate's overrides may change: the data, where it runs, the (same-result) implementation;
-#: the model and its quantizer are as the checkpoint holds them
-def _fixed_by_checkpoint(key: str) -> bool:
-    return key.startswith(("model.", "quantizer.")) and key != "quantizer.implementation"
-
-
 def check_overrides(run_dir: Path, trained, asked) -> None:
     """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*):
     the checkpoint decides those (the temperature included: the run's schedule is saved in it), so
     such an override would be ignored or fail to load."""
     from ddcl_vq.train.config import differences
-    fixed = [(k, a, b) for k, a, b in differences(trained, asked) if _fixed_by_checkpoint(k)]
+    # overrides may change the data, where it runs and the (same-result) implementation, not the model
+    fixed = [(k, a, b) for k, a, b in differences(trained, asked)
+             if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"]
     if fixed:
         changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
         why = (" — the temperature comes from the schedule saved in the checkpoint"
@@ -135,12 +131,6 @@ def file_digest(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _gap(soft: Optional[Dict], hard: Dict) -> Optional[Dict]:
-    if soft is None:
-        return None
-    return {k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard}
 
 
 def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
@@ -191,7 +181,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "overrides": list(overrides),  # with step, checkpoint, split, max_images: what compare reuses it for
         "latent_positions_per_image": latent_positions,
         "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
-        "recon": {"hard": hard, "soft": soft, "soft_minus_hard": _gap(soft, hard)},
+        "recon": {"hard": hard, "soft": soft, "soft_minus_hard": None if soft is None else {
+            k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard}},
         "codebook": {**{key: getattr(usage, key) for key in ("utilization", "active_codes", "dead_codes", "perplexity",
                                                              "soft_perplexity", "entropy_bits", "num_vectors")},
                      "utilization_ceiling": uniform_ceiling(q.num_codes, usage.num_vectors),

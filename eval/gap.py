@@ -98,13 +98,6 @@ def _hard_codes(quantizer, features: Tensor, batch_size: int) -> tuple[Tensor, T
     return torch.cat(codes), torch.cat(indices)
 
 
-def _quantize(features: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
-    b, _, h, w = features.shape
-    flat = rearrange(features, "b d h w -> (b h w) d")
-    idx, dist = nearest_codes(flat, codebook)
-    return rearrange(codebook[idx], "(b h w) d -> b d h w", b=b, h=h, w=w), dist
-
-
 #: a code is a near-duplicate when its squared distance to the nearest other code is below this
 #: fraction of the median squared nearest-other-code distance
 DUPLICATE_FRACTION = 0.01
@@ -161,8 +154,9 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
         refit = codebook
         for _ in range(lloyd):
             refit = lloyd_step(refit, fit_flat)
-        out["lloyd_steps"] = lloyd
-        out["psnr_lloyd"] = _psnr(model, x, _quantize(z, refit)[0], batch_size)
+        b, _, h, w = z.shape  # the features decoded from the re-fitted codebook's nearest codes
+        refit_codes = rearrange(refit[nearest_codes(flat, refit)[0]], "(b h w) d -> b d h w", b=b, h=h, w=w)
+        out.update(lloyd_steps=lloyd, psnr_lloyd=_psnr(model, x, refit_codes, batch_size))
     return out
 
 

@@ -26,14 +26,10 @@ def save(fig, path: Path, dpi: int = 110, **layout) -> None:
     pyplot().close(fig)
 
 
-def _grid(n: int, max_cols: int = 6):
-    cols = min(n, max_cols)
-    return -(-n // cols), cols
-
-
 def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Path) -> None:
     plt = pyplot()
-    rows, cols = _grid(len(evals))
+    cols = min(len(evals), 6)
+    rows = -(-len(evals) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.4 * rows), squeeze=False)
     for ax in axes.flat[len(evals):]:
         ax.axis("off")

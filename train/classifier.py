@@ -26,7 +26,8 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     from ddcl_vq.train.progress import Progress
     train_set = build_dataset(data_cfg, "train", seed)
     test_set = build_dataset(data_cfg, "test", seed)
-    labels = _all_labels(train_set)
+    labels = torch.as_tensor(train_set.labels if hasattr(train_set, "labels") else
+                             [int(train_set[i][1]) for i in range(len(train_set))])
     if (labels < 0).any():
         raise ClassifierUnavailable(f"{data_cfg.name} has no labels: the feature classifier (Fréchet distance, "
                                     "class accuracy) cannot be trained")
@@ -36,8 +37,7 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(steps, "cosine", floor=0.0))
     loader = make_loader(train_set, EpochBatches(len(train_set), 128, seed), 0)
-    bar = Progress(steps, f"classifier ({data_cfg.name})", unit="step", every=max(steps // 10, 1)) if progress \
-        else None
+    bar = Progress(steps, f"classifier ({data_cfg.name})", unit="step", every=max(steps // 10, 1), off=not progress)
     model.train()
     for step, (x, y) in enumerate(loader):
         if step >= steps:
@@ -47,22 +47,14 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
         loss.backward()
         opt.step()
         sched.step()
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     model.eval()
     x_test, y_test = dataset_tensors(test_set)
     pred = predict(model, x_test, device=device)
     accuracy = float((pred == y_test).float().mean())
     return model, {"classes": classes, "channels": image_channels(data_cfg), "test_accuracy": accuracy,
                    "test_images": len(y_test)}
-
-
-def _all_labels(dataset) -> Tensor:
-    if hasattr(dataset, "labels"):
-        return torch.as_tensor(dataset.labels)
-    return torch.as_tensor([int(dataset[i][1]) for i in range(len(dataset))])
 
 
 def dataset_tensors(dataset, max_images: int = 0) -> Tuple[Tensor, Tensor]:

@@ -43,12 +43,6 @@ from .skeleton import TrainingRun, setup_distributed, teardown_distributed, wrap
 from .testset import EVAL_BATCH_SIZE, reconstruction_pass
 
 
-def _image_grid(x, hard, soft):
-    from torchvision.utils import make_grid
-    rows = [x, hard] + ([soft] if soft is not None else [])
-    return make_grid(torch.cat(rows).clamp(0, 1), nrow=x.shape[0], padding=1)
-
-
 class LogState:
     """What the log carries from step to step, saved in checkpoints (as ``log_state``) so that a resumed
     run logs what the straight run logs: the usage window being accumulated (``train.usage_window``),
@@ -167,7 +161,10 @@ class RunLog:
             hard = model.reconstruct(self.preview, "hard")
             soft = model.reconstruct(self.preview, "soft") if model.quantizer.has_soft_codes else None
         model.train()
-        self.run.writer.add_image("reconstructions/original_hard_soft", _image_grid(self.preview, hard, soft), step)
+        from torchvision.utils import make_grid
+        rows = [self.preview, hard] + ([soft] if soft is not None else [])
+        grid = make_grid(torch.cat(rows).clamp(0, 1), nrow=self.preview.shape[0], padding=1)
+        self.run.writer.add_image("reconstructions/original_hard_soft", grid, step)
 
 
 def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.device) -> Dict:
@@ -248,8 +245,9 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     kept and running the same command again only evaluates.
     """
     t = cfg.train
-    run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every, name=cfg.run.name,
-                      device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(), threads=t.threads)
+    run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
+                      name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(),
+                      threads=t.threads)
     try:
         with run:
             return _train(cfg, run)
@@ -269,18 +267,15 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     found_step = int(found[0]["step"]) if found else 0
     saved = saved_config(found[0], run.dir) if found else None  # before anything is built: resumed only as itself
     notes = [] if saved is None else check_resume(saved, cfg, found_step, run.dir)
-    if found is not None and found_step >= t.steps:
-        done = finished_summary(run.dir, found_step, cfg)
-        if done is not None:
-            if is_main and not run.quiet:
-                print(f"{run.dir} is finished ({found_step} of train.steps={t.steps} steps, summary.json "
-                      f"written); nothing to do. To train longer, raise train.steps; for a new run, give another "
-                      "run.dir", file=sys.stderr)
-            return done
+    if found is not None and found_step >= t.steps and (done := finished_summary(run.dir, found_step, cfg)) is not None:
+        if is_main and not run.quiet:
+            print(f"{run.dir} is finished ({found_step} of train.steps={t.steps} steps, summary.json "
+                  f"written); nothing to do. To train longer, raise train.steps; for a new run, give another "
+                  "run.dir", file=sys.stderr)
+        return done
 
     check_fits(cfg, image_channels(cfg.data), device, world)  # a model the machine cannot hold: refused with the figure
-    train_set = build_dataset(cfg.data, "train", cfg.run.seed)
-    test_set = build_dataset(cfg.data, "test", cfg.run.seed)
+    train_set, test_set = (build_dataset(cfg.data, split, cfg.run.seed) for split in ("train", "test"))
     model = build_model(cfg, image_channels(cfg.data)).to(device)
     if t.init_from and found is None:  # a new run from an exported model (a resumed one has its own)
         from .init_from import init_from_export

@@ -143,7 +143,11 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
             idx = torch.as_tensor(idx)
             codes = codes_all[idx].to(device)
             labels = labels_all[idx].to(device) if labels_all is not None else None
-            loss = model.loss(codes, labels) if net is model else _ddp_loss(net, model, codes, labels)
+            if net is model:
+                loss = model.loss(codes, labels)
+            else:  # through the DDP wrapper (its backward averages the gradients), the loss model.loss computes
+                logits = net(codes, labels).reshape(-1, model.num_codes).float()
+                loss = F.cross_entropy(logits, model.flatten(codes).reshape(-1))
             if not torch.isfinite(loss):
                 raise Diverged(f"step {step}: loss is {loss.item()}; lower train.lr (now {t.lr:g})")
             optimizer.zero_grad(set_to_none=True)
@@ -173,11 +177,6 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
         if is_main:
             (run.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-
-def _ddp_loss(net, model: CodePrior, codes, labels):
-    logits = net(codes, labels)
-    return F.cross_entropy(logits.reshape(-1, model.num_codes).float(), model.flatten(codes).reshape(-1))
 
 
 class PriorLoadError(UserError, RuntimeError):

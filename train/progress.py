@@ -38,15 +38,15 @@ def _clock(seconds: float) -> str:
 
 class Progress:
     """``update(n)``, ``set_postfix(**values)``, ``close()``: a tqdm bar on a terminal, else a line
-    every ``every`` updates (and one at ``total``) on ``stream`` (stderr by default)."""
+    every ``every`` updates (and one at ``total``) on ``stream`` (stderr by default); ``off``: neither."""
 
     def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: int = 1,
-                 stream: Optional[TextIO] = None, leave: bool = True, bar: Optional[bool] = None):
+                 stream: Optional[TextIO] = None, leave: bool = True, bar: Optional[bool] = None, off: bool = False):
         self.total, self.desc, self.unit, self.n = int(total), desc, unit, int(initial)
-        self.every, self.stream, self.bar = max(int(every), 1), stream, None
+        self.every, self.stream, self.bar, self.off = max(int(every), 1), stream, None, off
         self.postfix: dict = {}
         self.start_n, self.last_line, self.t_start = self.n, self.n, time.time()
-        if interactive(stream) if bar is None else bar:
+        if not off and (interactive(stream) if bar is None else bar):
             from tqdm import tqdm
             self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, dynamic_ncols=True,
                             leave=leave, file=stream)
@@ -61,7 +61,8 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
             return
-        if self.n // self.every > self.last_line // self.every or (self.n >= self.total > self.last_line):
+        due = self.n // self.every > self.last_line // self.every or self.n >= self.total > self.last_line
+        if due and not self.off:
             self.write_line()
 
     def line(self) -> str:

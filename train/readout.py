@@ -126,10 +126,6 @@ class _Window:
         return record
 
 
-def arm_settings(name: str, args) -> Dict:
-    return {"arm": name, **{key: getattr(args, key) for key in ARM_SETTINGS}}
-
-
 def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: bool):
     """Train (or resume, or reuse) the readout arm ``name`` in OUT/runs/<name>; -> (result dict, model)."""
     kind, over = ARMS[name]
@@ -138,7 +134,7 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
     to_tokens = over.get("distortion_to_tokens", False)
     task_to_protos = over.get("task_grad_to_prototypes", True)
     (xtr, ytr), (xte, yte) = train_data, test_data
-    settings = arm_settings(name, args)
+    settings = {"arm": name, **{key: getattr(args, key) for key in ARM_SETTINGS}}
     run = TrainingRun(Path(out) / "runs" / name, args.steps, checkpoint_every=args.eval_every,
                       log_every=args.log_every, name=f"{name:>12}", device="cpu", quiet=not show_progress,
                       config=settings)

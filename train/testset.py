@@ -13,6 +13,7 @@ from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
 from ddcl_vq.models import VQVAE
 
 from .data import DataUnavailable, SequentialBatches, make_loader
+from .progress import Progress
 
 #: images per batch of an evaluation pass (the end-of-run summary, evaluate, compare, gap,
 #: tokenize, decode, a study's evaluation); lower it where memory is short
@@ -54,10 +55,9 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
     has_soft = model.quantizer.has_soft_codes
     usage = CodebookUsage(model.quantizer.num_codes, device=device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
-    bar = None
-    if progress and rank() == 0:  # a bar on a terminal, a line per 10% of the batches in a log file
-        from .progress import Progress
-        bar = Progress(len(loader), "evaluate", unit="batch", every=max(len(loader) // 10, 1), leave=False)
+    # a bar on a terminal, a line per 10% of the batches in a log file
+    bar = Progress(len(loader), "evaluate", unit="batch", every=max(len(loader) // 10, 1), leave=False,
+                   off=not (progress and rank() == 0))
     for x, _ in loader:
         x = x.to(device, non_blocking=True)
         z = model.encoder(x)
@@ -76,10 +76,8 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
         sums[4] += x.shape[0]
         if on_batch is not None:
             on_batch(x, hard, soft)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     all_reduce_sum_(sums)
     model.train(was_training)
     count = float(sums[4])

@@ -92,17 +92,13 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     mem_budget = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
                               budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal, probe_warmup=probe_warmup)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(plans), desc="bench", unit="meas", file=sys.stderr, dynamic_ncols=True)
+    from tqdm import tqdm
+    bar = tqdm(total=len(plans), desc="bench", unit="meas", file=sys.stderr, dynamic_ncols=True, disable=not progress)
     rows: List[dict] = []
     for shape in dict.fromkeys(p.shape for p in plans):
-        if bar is not None:
-            bar.set_postfix_str(f"N={shape[0]} D={shape[1]} K={shape[2]}")
+        bar.set_postfix_str(f"N={shape[0]} D={shape[1]} K={shape[2]}")
         rows += run_shape(shape, [p for p in plans if p.shape == shape], memory, bar, device)
-    if bar is not None:
-        bar.close()
+    bar.close()
     add_ratios(rows)
     if e2e:
         rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference,

@@ -118,17 +118,14 @@ def compare_heldout(sub: Study, part: Part, finished: List[Arm], command: Option
     return out, rows, groups, failed
 
 
-def _table(rows: List[Dict], groups: Optional[List[Dict]]) -> str:
+def _section(title: str, link: str, rows: List[Dict], groups: Optional[List[Dict]]) -> List[str]:
     from ddcl_vq.eval.compare import markdown_table
     from .aggregate import mean_sd_table
-    return markdown_table(rows) if groups is None else mean_sd_table(groups)
-
-
-def _section(title: str, link: str, rows: List[Dict], groups: Optional[List[Dict]]) -> List[str]:
     from .report import headline
     if not rows:
         return [f"### {title}", "", "No arm finished.", ""]
-    return [f"### {title}", "", _table(rows, groups), "", "Computed from the table:", ""]\
+    table = markdown_table(rows) if groups is None else mean_sd_table(groups)
+    return [f"### {title}", "", table, "", "Computed from the table:", ""]\
         + headline(groups if groups is not None else rows) + ["", f"Full report, plots and per-seed table: [{link}]({link})", ""]
 
 

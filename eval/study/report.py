@@ -16,10 +16,6 @@ def _psnr(r: Dict) -> str:
     return f"{r['hard_psnr']:.2f} ± {'—' if sd is None else format(sd, '.2f')} dB (n = {r['n']})"
 
 
-def _dead(r: Dict) -> str:
-    return f"{r['dead_codes']}" if "n" not in r else f"{r['dead_codes']:.1f}"
-
-
 def _separation(d: Dict, b: Dict) -> str:
     """Whether the DDCL mean exceeds the best baseline mean by more than the larger of their sds."""
     sds = [r.get("hard_psnr_sd") for r in (d, b)]
@@ -49,7 +45,7 @@ def headline(rows: Sequence[Dict]) -> List[str]:
             parts.append(f"best baseline {b['name']} {_psnr(b)} at {b['utilization']:.1%} utilization")
         if ddcl:
             d = max(ddcl, key=lambda r: r["hard_psnr"])
-            text = f"best DDCL {d['name']} {_psnr(d)} at {d['utilization']:.1%} utilization ({_dead(d)} dead)"
+            text = f"best DDCL {d['name']} {_psnr(d)} at {d['utilization']:.1%} utilization ({d['dead_codes'] if 'n' not in d else format(d['dead_codes'], '.1f')} dead)"
             if b:
                 text += f", {d['hard_psnr'] - b['hard_psnr']:+.2f} dB vs the best baseline"
                 if "n" in d:

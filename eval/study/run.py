@@ -133,18 +133,14 @@ class StudyRun:
         self.done: Dict[str, Dict] = {}
         self.failed: Dict[str, str] = {}
         self.unfinished: List[str] = []
-        self.progress = Progress(len(study.arms), study.name, unit="arm") if progress else None
+        self.progress = Progress(len(study.arms), study.name, unit="arm", off=not progress)
 
     def say(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.write(text)
-        else:
-            print(text, flush=True)
+        self.progress.write(text)
 
     def advance(self) -> None:
         """One more arm handled."""
-        if self.progress is not None:
-            self.progress.update(1)
+        self.progress.update(1)
 
     def fail(self, arm: Arm, reason: str, trace: Optional[str] = None) -> None:
         self.failed[arm.name] = reason
@@ -172,8 +168,7 @@ class StudyRun:
                  f"perplexity {result['codebook']['perplexity']:.1f}")
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
+        self.progress.close()
 
 
 def triage(run: StudyRun, train_arms: bool) -> List[Arm]:
@@ -200,8 +195,7 @@ def train_in_process(run: StudyRun, arms: Sequence[Arm], verbose: bool, threads:
     from ddcl_vq.train.threads import set_threads
     for arm in arms:
         set_threads(arm.config.train.threads or threads)
-        if run.progress is not None:
-            run.progress.set_postfix(arm=arm.name)
+        run.progress.set_postfix(arm=arm.name)
         try:
             train(arm.config, quiet=not verbose)
         except KeyboardInterrupt:

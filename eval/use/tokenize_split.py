@@ -84,7 +84,7 @@ def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images
     dtype = index_dtype(model.quantizer.num_codes)
     indices: Optional[np.ndarray] = None
     labels = np.empty(n, dtype=np.int64)
-    bar = Progress(len(loader), "tokenize", unit="batch", every=max(len(loader) // 20, 1)) if progress else None
+    bar = Progress(len(loader), "tokenize", unit="batch", every=max(len(loader) // 20, 1), off=not progress)
     start = 0
     for batch in loader:
         x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
@@ -94,10 +94,8 @@ def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images
         indices[start:start + len(codes)] = codes
         labels[start:start + len(codes)] = -1 if y is None else torch.as_tensor(y).numpy()
         start += len(codes)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     if indices is None:
         raise ValueError("expected a non-empty dataset")
     return indices, (labels if (labels >= 0).any() else None)
