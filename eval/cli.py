@@ -1,8 +1,7 @@
 """``ddcl-vq`` (also ``python -m ddcl_vq.eval``): one console script, one subcommand per job.
 
-Each subcommand lives in its own module with a ``main(argv)`` function; only the
-subcommands whose module is present are offered, so ``--help`` never lists one that
-does not work.
+Each subcommand lives in its own module with a ``main(argv)`` function; only the subcommands whose module is present are
+offered, so ``--help`` never lists one that does not work.
 """
 from __future__ import annotations
 

@@ -1,9 +1,14 @@
-"""``ddcl-vq evaluate RUN_DIR``: one pass over a dataset split -> RUN_DIR/eval.json + a table (HELP says more).
+"""Evaluate a run directory written by `ddcl-vq train` on a dataset split and write
+RUN_DIR/eval.json (reconstruction on hard codes, and soft codes for DDCL; SSIM, LPIPS;
+dataset-level codebook usage and geometry). Dotted overrides change the run's config for
+the evaluation only (e.g. data.root=/path, train.device=cpu). Overrides that change which
+images are evaluated (data.name, natural_patches' photographs) measure the model on data it
+was not trained on and write RUN_DIR/eval_<dataset>.json (e.g. eval_digits.json), leaving the
+run's own eval.json as it is.
 
-The run's newest checkpoint goes through ddcl_vq.train.testset.reconstruction_pass with SSIM and LPIPS added on
-the same batches; eval.json is written by rank 0. Under torchrun every process takes a disjoint share of the
-images and every metric is a float64 sum all-reduced before dividing, so the numbers equal a single-process
-pass up to float summation order.
+  ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
+  ddcl-vq evaluate runs/fashion_ddcl data.name=digits     # -> runs/fashion_ddcl/eval_digits.json
+  torchrun --nproc_per_node 2 -m ddcl_vq.eval evaluate runs/fashion_ddcl
 """
 from __future__ import annotations
 
@@ -30,19 +35,7 @@ from ddcl_vq.train.threads import set_threads, threads_option
 
 from .metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 
-HELP = """\
-Evaluate a run directory written by `ddcl-vq train` on a dataset split and write
-RUN_DIR/eval.json (reconstruction on hard codes, and soft codes for DDCL; SSIM, LPIPS;
-dataset-level codebook usage and geometry). Dotted overrides change the run's config for
-the evaluation only (e.g. data.root=/path, train.device=cpu). Overrides that change which
-images are evaluated (data.name, natural_patches' photographs) measure the model on data it
-was not trained on and write RUN_DIR/eval_<dataset>.json (e.g. eval_digits.json), leaving the
-run's own eval.json as it is.
-
-  ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
-  ddcl-vq evaluate runs/fashion_ddcl data.name=digits     # -> runs/fashion_ddcl/eval_digits.json
-  torchrun --nproc_per_node 2 -m ddcl_vq.eval evaluate runs/fashion_ddcl
-"""
+HELP = __doc__  # the module docstring is the --help text
 
 
 class EvaluateError(UserError, RuntimeError):
@@ -104,10 +97,9 @@ def check_overrides(run_dir: Path, trained, asked) -> None:
 
 
 def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str = "test") -> Optional[str]:
-    """None when ``overrides`` evaluate the run's own data; else a name for the other data
-    (``digits``; ``natural_patches_camera_moon`` for other photographs): the evaluation then goes to
-    RUN_DIR/eval_<name>.json, not eval.json. None too when the run has no readable config
-    (load_run says why)."""
+    """None when ``overrides`` evaluate the run's own data; else a name for the other data (``digits``;
+    ``natural_patches_camera_moon`` for other photographs): the evaluation then goes to RUN_DIR/eval_<name>.json, not
+    eval.json. None too when the run has no readable config (load_run says why)."""
     from ddcl_vq.train.config import ConfigError, load_config
     config = Path(run_dir) / "config.yaml"
     if not overrides or not config.is_file():
@@ -139,7 +131,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict.
 
     ``made_by`` (``evaluate``, ``compare``, ``study``) is recorded with the command, so a later
-    ``compare`` knows whose result an eval.json is (it does not overwrite an ``evaluate`` one)."""
+    ``compare`` knows whose result an eval.json is (it does not overwrite an ``evaluate`` one). Under torchrun every
+    process takes a disjoint share of the images and every metric is a float64 sum all-reduced before dividing, so the
+    numbers equal a single-process pass up to float summation order."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.loop import setup_distributed
     from ddcl_vq.train.testset import reconstruction_pass

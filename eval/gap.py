@@ -1,24 +1,22 @@
 """``ddcl-vq gap RUN_DIR ...``: where a trained run's reconstruction error comes from (HELP says what it measures).
 
-The row's keys, on the first ``--images`` images of the split: ``psnr_hard`` (the decoder on the hard codes:
-what a prior or a deployed decoder sees); ``psnr_unquantized`` (the decoder fed the encoder's features without
-quantization — a decoder trained only on coarse codes may not read features between them: in the VQGAN recipe
-every quantizer's gap is within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md); ``gap_db`` =
-psnr_unquantized − psnr_hard; ``relative_distortion`` (mean squared nearest-code distance over the features'
-total variance); ``psnr_lloyd`` (after ``--lloyd`` hard k-means steps on ``--fit-images`` training images'
-features; each step assigns to the nearest code and moves each code with vectors to their mean). The last four
-are left out for FSQ and LFQ, whose index rounds a projection rather than naming the nearest code (their
-decoder never sees the encoder's features as they are).
+The row's keys, on the first ``--images`` images of the split: ``psnr_hard`` (the decoder on the hard codes: what a
+prior or a deployed decoder sees); ``psnr_unquantized`` (the decoder fed the encoder's features without quantization — a
+decoder trained only on coarse codes may not read features between them: in the VQGAN recipe every quantizer's gap is
+within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md); ``gap_db`` = psnr_unquantized − psnr_hard;
+``relative_distortion`` (mean squared nearest-code distance over the features' total variance); ``psnr_lloyd`` (after
+``--lloyd`` hard k-means steps on ``--fit-images`` training images' features; each step assigns to the nearest code and
+moves each code with vectors to their mean). The last four are left out for FSQ and LFQ, whose index rounds a projection
+rather than naming the nearest code (their decoder never sees the encoder's features as they are).
 
-How stable the tokens are (what a prior over them pays for, docs/prior.md): ``token_flips`` (under Gaussian
-pixel noise of sd ``--noise``, about 1.3/255 at the default; fixed seed; images clamped to [0, 1]),
-``duplicate_codes`` (nearest other code closer than :data:`DUPLICATE_FRACTION` of the median squared
-nearest-other-code distance: one code in two places), ``duplicate_token_share`` (the share of the measured
-tokens that are such codes) and ``duplicate_token_flips`` (how often those flip under the noise).
+How stable the tokens are (what a prior over them pays for, docs/prior.md): ``token_flips`` (under Gaussian pixel noise
+of sd ``--noise``, about 1.3/255 at the default; fixed seed; images clamped to [0, 1]), ``duplicate_codes`` (nearest
+other code closer than :data:`DUPLICATE_FRACTION` of the median squared nearest-other-code distance: one code in two
+places), ``duplicate_token_share`` (the share of the measured tokens that are such codes) and ``duplicate_token_flips``
+(how often those flip under the noise).
 
-Shapes: features are (B, D, h, w); the codebook is (K, D). The hard codes are the quantizer's own
-(its forward in eval mode); for a quantizer that assigns the nearest code, the re-fitted codebook
-is decoded the same way.
+Shapes: features are (B, D, h, w); the codebook is (K, D). The hard codes are the quantizer's own (its forward in eval
+mode); for a quantizer that assigns the nearest code, the re-fitted codebook is decoded the same way.
 """
 from __future__ import annotations
 

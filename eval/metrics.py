@@ -1,17 +1,16 @@
-"""Reconstruction and codebook metrics, every one defined in RECON_DEFINITIONS /
-GEOMETRY_DEFINITIONS (printed under every report together with ddcl_vq.USAGE_DEFINITIONS).
+"""Reconstruction and codebook metrics, every one defined in RECON_DEFINITIONS / GEOMETRY_DEFINITIONS (printed under
+every report together with ddcl_vq.USAGE_DEFINITIONS).
 
 - MSE, PSNR: per image, then averaged over the dataset (ddcl_vq.train.testset.reconstruction_pass).
-- SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5,
-  data_range 1), one value per image, averaged over the dataset.
-- LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1],
-  grayscale repeated to 3 channels; only with real ImageNet trunk weights (where they come from:
-  :mod:`ddcl_vq.train.lpips_weights`), else ``None`` with a one-line reason — never a random trunk.
-- rFID: only with real Inception weights (torch-fidelity's ``pt_inception-2015-12-05``
-  file in the torch hub cache and the torch-fidelity package); otherwise ``None`` + reason.
+- SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5, data_range 1), one value per
+  image, averaged over the dataset.
+- LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1], grayscale repeated to 3
+  channels; only with real ImageNet trunk weights (where they come from: :mod:`ddcl_vq.train.lpips_weights`), else
+  ``None`` with a one-line reason — never a random trunk.
+- rFID: only with real Inception weights (torch-fidelity's ``pt_inception-2015-12-05`` file in the torch hub cache and
+  the torch-fidelity package); otherwise ``None`` + reason.
 
-Every accumulator keeps float64 *sums* so that a multi-process pass (all-reduce of sums)
-equals a single-process pass.
+Every accumulator keeps float64 *sums* so that a multi-process pass (all-reduce of sums) equals a single-process pass.
 """
 from __future__ import annotations
 
@@ -65,11 +64,10 @@ def ssim_per_image(pred: Tensor, target: Tensor) -> Tensor:
 def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
     """SSIM of each (B, C, H, W) batch in ``preds`` against ``target`` -> one (B,) tensor per batch.
 
-    One torchmetrics call for all of them, with every image channel laid out as a channel of one
-    image: torchmetrics filters each channel on its own (a grouped convolution with the same
-    Gaussian window), so the SSIM map is the one it computes per image, and each image's value is
-    the mean of its part of the map, as torchmetrics reduces it. A grouped convolution over many
-    channels runs about ten times faster on the CPU than the same filter over a batch of
+    One torchmetrics call for all of them, with every image channel laid out as a channel of one image: torchmetrics
+    filters each channel on its own (a grouped convolution with the same Gaussian window), so the SSIM map is the one it
+    computes per image, and each image's value is the mean of its part of the map, as torchmetrics reduces it. A grouped
+    convolution over many channels runs about ten times faster on the CPU than the same filter over a batch of
     one-channel images (the same values to float rounding; tests/test_eval.py).
     """
     from torchmetrics.functional.image import structural_similarity_index_measure

@@ -1,11 +1,10 @@
-"""Training augmentation for image folders (``data.augment: crop_flip``): random-resized crop + horizontal
-flip, as image tokenizers are trained (the test split keeps the centre crop).
+"""Training augmentation for image folders (``data.augment: crop_flip``): random-resized crop + horizontal flip, as
+image tokenizers are trained (the test split keeps the centre crop).
 
-The random draws come from a generator seeded by (run seed, epoch, image index), not from the global
-RNG or a worker's RNG: a run sees the same crops with any number of DataLoader workers, and a resumed
-run sees exactly the crops a straight run would. :class:`CropFlip` is indexed with ``(epoch, index)``
-pairs; :meth:`CropFlip.tag_batches` turns the loop's batches of indices into such pairs
-(``make_loader`` calls it).
+The random draws come from a generator seeded by (run seed, epoch, image index), not from the global RNG or a worker's
+RNG: a run sees the same crops with any number of DataLoader workers, and a resumed run sees exactly the crops a
+straight run would. :class:`CropFlip` is indexed with ``(epoch, index)`` pairs; :meth:`CropFlip.tag_batches` turns the
+loop's batches of indices into such pairs (``make_loader`` calls it).
 """
 from __future__ import annotations
 

@@ -152,9 +152,8 @@ def prune_periodic(ckpt_dir: Path, keep: int = KEEP_PERIODIC) -> None:
 
 
 def latest_checkpoint(ckpt_dir: Path, map_location="cpu") -> Optional[Tuple[Dict[str, Any], Path]]:
-    """The newest readable checkpoint in ``ckpt_dir`` (last.pt, else periodic ones), or None
-    when there is none. An unreadable file is reported on stderr and skipped; when every file
-    is unreadable, CheckpointError names them."""
+    """The newest readable checkpoint in ``ckpt_dir`` (last.pt, else periodic ones), or None when there is none. An
+    unreadable file is reported on stderr and skipped; when every file is unreadable, CheckpointError names them."""
     ckpt_dir = Path(ckpt_dir)
     candidates = [p for p in [ckpt_dir / "last.pt"] if p.exists()] + periodic_checkpoints(ckpt_dir)
     if not candidates:

@@ -2,17 +2,15 @@
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-Every key is checked up front (by :mod:`ddcl_vq.train.settings`, the checks every command's
-settings go through): an unknown key is an error naming the key and the nearest valid one;
-a wrong type or a value outside a key's choices names the key, what was expected and what
-came. ``to_dict`` / ``from_dict`` round-trip exactly.
+Every key is checked up front (by :mod:`ddcl_vq.train.settings`, the checks every command's settings go through): an
+unknown key is an error naming the key and the nearest valid one; a wrong type or a value outside a key's choices names
+the key, what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
 
-Defaults and allowed values are stated once, where the code that uses them lives: the
-``model`` section is the model constructor's keyword arguments and defaults
-(:class:`~ddcl_vq.models.Encoder`), the ``quantizer`` section the quantizer classes' keyword
-arguments and defaults (:data:`QUANTIZER_CLASSES`; :data:`NOT_IN_CONFIG` lists the arguments
-a config does not set), and the choices of the DDCL keys are the library's own tuples
-(``ddcl_vq.ddcl.MODES`` ...). ``ddcl-vq train --config X --print-config`` shows every value.
+Defaults and allowed values are stated once, where the code that uses them lives: the ``model`` section is the model
+constructor's keyword arguments and defaults (:class:`~ddcl_vq.models.Encoder`), the ``quantizer`` section the quantizer
+classes' keyword arguments and defaults (:data:`QUANTIZER_CLASSES`; :data:`NOT_IN_CONFIG` lists the arguments a config
+does not set), and the choices of the DDCL keys are the library's own tuples (``ddcl_vq.ddcl.MODES`` ...). ``ddcl-vq
+train --config X --print-config`` shows every value.
 """
 from __future__ import annotations
 
@@ -70,11 +68,10 @@ class DataConfig:
                                              # random-resized crop + horizontal flip; test: centre crop)
 
 
-#: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels
-#: (which come from the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents
-#: at 2), latent_dim (D), res_hidden
-#: then the VQGAN architecture (model.arch: vqgan; ddcl_vq.models.vqgan, diffusers' encoder/decoder):
-#: ch, ch_mult, attn_resolutions, z_channels, norm_groups (num_res_blocks and latent_dim = D shared)
+#: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels (which come from
+#: the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents at 2), latent_dim (D), res_hidden then
+#: the VQGAN architecture (model.arch: vqgan; ddcl_vq.models.vqgan, diffusers' encoder/decoder): ch, ch_mult,
+#: attn_resolutions, z_channels, norm_groups (num_res_blocks and latent_dim = D shared)
 VQGAN_MODEL_FIELDS = [("arch", str, field(default="vqvae")), ("ch", int, field(default=128)),
                       ("ch_mult", List[int], field(default_factory=lambda: [1, 1, 2, 2, 4])),
                       ("attn_resolutions", List[int], field(default_factory=lambda: [16])),
@@ -372,7 +369,8 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Opti
     for text in overrides:
         key, value = parse_override(text)
         parts = key.split(".")
-        is_vqp_kwarg = keys is None and len(parts) == 3 and parts[0] == "quantizer" and parts[1] in ("vqp", "simvq", "lfq")
+        is_vqp_kwarg = (keys is None and len(parts) == 3 and parts[0] == "quantizer"
+                        and parts[1] in ("vqp", "simvq", "lfq"))
         if key not in valid and not is_vqp_kwarg:
             raise (unknown or _unknown_key)(key)
         node = raw

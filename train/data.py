@@ -128,9 +128,8 @@ def check_photos(train_photos: Sequence[str], test_photos: Sequence[str]) -> Non
 def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
                     train_photos: Sequence[str] = NATURAL_TRAIN_PHOTOS,
                     test_photos: Sequence[str] = NATURAL_TEST_PHOTOS) -> TensorImageDataset:
-    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs:
-    ``train_photos`` for the train split, ``test_photos`` for the test split (grey photographs as three
-    equal channels)."""
+    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs: ``train_photos``
+    for the train split, ``test_photos`` for the test split (grey photographs as three equal channels)."""
     import skimage.data
     check_photos(train_photos, test_photos)
     names = train_photos if split == "train" else test_photos
@@ -182,14 +181,12 @@ _MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def open_image(path: str):
-    """An image file as a PIL image that torchvision's transforms turn into [0, 1] values faithfully:
-    8-bit images (and any mode Pillow converts without loss of scale) as ``RGB``, as torchvision's
-    default loader does; high-bit-depth grey images as a float image (mode ``F``) in [0, 1]:
-    16-bit (``I;16``) divided by 65535, 32-bit integers (``I``) likewise when they lie in 0..65535
-    (a 16-bit image in a 32-bit container), float images (``F``) when they lie in [0, 1].
-    Anything else (``I`` beyond 16 bits, floats outside [0, 1], signed 16-bit) is an
-    :class:`UnfaithfulImage`: converting it means guessing its scale (Pillow's RGB conversion
-    clips such images to white)."""
+    """An image file as a PIL image that torchvision's transforms turn into [0, 1] values faithfully: 8-bit images (and
+    any mode Pillow converts without loss of scale) as ``RGB``, as torchvision's default loader does; high-bit-depth
+    grey images as a float image (mode ``F``) in [0, 1]: 16-bit (``I;16``) divided by 65535, 32-bit integers (``I``)
+    likewise when they lie in 0..65535 (a 16-bit image in a 32-bit container), float images (``F``) when they lie in [0,
+    1]. Anything else (``I`` beyond 16 bits, floats outside [0, 1], signed 16-bit) is an :class:`UnfaithfulImage`:
+    converting it means guessing its scale (Pillow's RGB conversion clips such images to white)."""
     from PIL import Image
     with open(path, "rb") as f:
         img = Image.open(f)
@@ -364,10 +361,9 @@ def image_channels(data_cfg) -> int:
 class EpochBatches:
     """Deterministic batches of dataset indices for one process.
 
-    Epoch e's order is randperm(n) from a generator seeded with (seed, e), cut into global
-    batches of ``global_batch`` (the remainder is dropped); process r of w takes rows
-    [r·b, (r+1)·b) of each global batch, b = global_batch / w. ``start_step`` skips ahead
-    without touching data, so a resumed run sees exactly the batches a straight run would.
+    Epoch e's order is randperm(n) from a generator seeded with (seed, e), cut into global batches of ``global_batch``
+    (the remainder is dropped); process r of w takes rows [r·b, (r+1)·b) of each global batch, b = global_batch / w.
+    ``start_step`` skips ahead without touching data, so a resumed run sees exactly the batches a straight run would.
     """
 
     def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
@@ -403,10 +399,9 @@ def in_memory(dataset: Dataset) -> bool:
 
 
 def resolve_workers(data_cfg, dataset: Dataset) -> int:
-    """``data.num_workers``, or when it is null (auto): 0 for in-memory datasets (Fashion-MNIST, MNIST,
-    CIFAR-10, natural patches: a batch is one indexing op, workers would only add copies between
-    processes), min(4, half the cores, at least 1) for an image folder, where every image is a file to
-    decode."""
+    """``data.num_workers``, or when it is null (auto): 0 for in-memory datasets (Fashion-MNIST, MNIST, CIFAR-10,
+    natural patches: a batch is one indexing op, workers would only add copies between processes), min(4, half the
+    cores, at least 1) for an image folder, where every image is a file to decode."""
     if data_cfg.num_workers is not None:
         return int(data_cfg.num_workers)
     if in_memory(dataset):

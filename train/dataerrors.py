@@ -1,6 +1,5 @@
-"""What the data modules raise when a dataset or an image cannot be had, and the grey-to-colour
-step both the image-folder reader (:mod:`~ddcl_vq.train.data`) and the seeded crop
-(:mod:`~ddcl_vq.train.augment`) share."""
+"""What the data modules raise when a dataset or an image cannot be had, and the grey-to-colour step both the
+image-folder reader (:mod:`~ddcl_vq.train.data`) and the seeded crop (:mod:`~ddcl_vq.train.augment`) share."""
 from __future__ import annotations
 
 from torch import Tensor

@@ -1,12 +1,11 @@
 """The toolkit's one error base class, and what every command does with it.
 
-Errors a user can fix by changing what they asked for (a config key, an option, a missing
-dataset, an unreadable checkpoint, a run directory that cannot be evaluated, ...) derive from
-:class:`UserError`. Every command's ``main`` is wrapped in :func:`entry_point`, which turns a
-UserError — or an OSError or refused allocation from the machine (a full disk, a path that cannot
-be written, out of memory) — into one line, ``ddcl-vq CMD: error: <message>``, and exit status 2;
-``--debug`` (any command) shows the traceback instead. Anything else is a bug and keeps its traceback.
-The toolkit's own warnings are printed as one line, ``ddcl-vq CMD: warning: <message>``.
+Errors a user can fix by changing what they asked for (a config key, an option, a missing dataset, an unreadable
+checkpoint, a run directory that cannot be evaluated, ...) derive from :class:`UserError`. Every command's ``main`` is
+wrapped in :func:`entry_point`, which turns a UserError — or an OSError or refused allocation from the machine (a full
+disk, a path that cannot be written, out of memory) — into one line, ``ddcl-vq CMD: error: <message>``, and exit status
+2; ``--debug`` (any command) shows the traceback instead. Anything else is a bug and keeps its traceback. The toolkit's
+own warnings are printed as one line, ``ddcl-vq CMD: warning: <message>``.
 """
 from __future__ import annotations
 

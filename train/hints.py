@@ -1,7 +1,6 @@
-"""Commands the tools print as hints ("TensorBoard: ...", "full evaluation: ..."), written so that
-they work when pasted in any folder: the script from the folder of the running Python
-(``sys.executable``'s: the virtual environment's ``bin``), else its bare name (found on PATH), and
-paths made absolute."""
+"""Commands the tools print as hints ("TensorBoard: ...", "full evaluation: ..."), written so that they work when pasted
+in any folder: the script from the folder of the running Python (``sys.executable``'s: the virtual environment's
+``bin``), else its bare name (found on PATH), and paths made absolute."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,11 @@
 """``train.init_from``: start a new run from an exported model (fine-tuning).
 
-The folder written by ``ddcl-vq export`` (or ``VQVAE.save_pretrained``, or its Hub id) gives the
-new run's starting weights and quantizer state (codebook, its running statistics, first-batch
-set-up and warm-up done); nothing else: the run is new (step 0, fresh optimizer and learning-rate
-schedule, its own temperature schedule and revival count from its config). The exported model
-must have the shape this config builds (quantizer type, K, D, channels, ...); otherwise the run
-is refused with one line naming the settings that differ. A run that already has a checkpoint
-resumes from it and ignores ``init_from``.
+The folder written by ``ddcl-vq export`` (or ``VQVAE.save_pretrained``, or its Hub id) gives the new run's starting
+weights and quantizer state (codebook, its running statistics, first-batch set-up and warm-up done); nothing else: the
+run is new (step 0, fresh optimizer and learning-rate schedule, its own temperature schedule and revival count from its
+config). The exported model must have the shape this config builds (quantizer type, K, D, channels, ...); otherwise the
+run is refused with one line naming the settings that differ. A run that already has a checkpoint resumes from it and
+ignores ``init_from``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
 """The training loop, top to bottom: set-up, resume, steps, logging, checkpoints, summary.
 
-:func:`train` reads on one screen. What every training loop does around its step — run directory
-and lock, resume, atomic checkpoints, RNG state, metrics.jsonl, TensorBoard, progress, torchrun,
-SIGTERM/SIGINT — is :class:`~ddcl_vq.train.skeleton.TrainingRun`; this loop's own pieces are
-:class:`LogState` and :class:`RunLog` (the usage window, the metrics line, image grids),
-:func:`training_step` (one step: forward, loss, backward, optimizer, discriminator; ``ddcl-vq bench``
-times it too) and :func:`end_of_run_evaluation`. The quantizer is driven only through the
-``ddcl_vq.Quantizer`` interface: ``step()`` once per optimizer step (DDCL advances its
-temperature schedule), ``log_stats()`` for extra scalars, ``has_soft_codes`` for image grids.
+:func:`train` reads on one screen. What every training loop does around its step — run directory and lock, resume,
+atomic checkpoints, RNG state, metrics.jsonl, TensorBoard, progress, torchrun, SIGTERM/SIGINT — is
+:class:`~ddcl_vq.train.skeleton.TrainingRun`; this loop's own pieces are :class:`LogState` and :class:`RunLog` (the
+usage window, the metrics line, image grids), :func:`training_step` (one step: forward, loss, backward, optimizer,
+discriminator; ``ddcl-vq bench`` times it too) and :func:`end_of_run_evaluation`. The quantizer is driven only through
+the ``ddcl_vq.Quantizer`` interface: ``step()`` once per optimizer step (DDCL advances its temperature schedule),
+``log_stats()`` for extra scalars, ``has_soft_codes`` for image grids.
 
-Distributed training is detected from the environment (torchrun sets RANK, WORLD_SIZE,
-LOCAL_RANK): the process group starts with NCCL on GPUs, gloo on CPUs; the model is
-wrapped in DistributedDataParallel; data.batch_size is the *global* batch, split evenly
-over processes, and train.lr applies to that global batch (DDP averages gradients), so a
-config means the same optimisation on 1 or N processes. Only rank 0 writes files.
+Distributed training is detected from the environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK): the process group
+starts with NCCL on GPUs, gloo on CPUs; the model is wrapped in DistributedDataParallel; data.batch_size is the *global*
+batch, split evenly over processes, and train.lr applies to that global batch (DDP averages gradients), so a config
+means the same optimisation on 1 or N processes. Only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -44,11 +42,10 @@ from .testset import EVAL_BATCH_SIZE, reconstruction_pass
 
 
 class LogState:
-    """What the log carries from step to step, saved in checkpoints (as ``log_state``) so that a resumed
-    run logs what the straight run logs: the usage window being accumulated (``train.usage_window``),
-    the last completed window's figures, the queue of recent training indices and the window's
-    per-batch usage (:class:`~ddcl_vq.RecentUsage`) with their last figures, the cumulative
-    ``revived`` count at the last metrics line."""
+    """What the log carries from step to step, saved in checkpoints (as ``log_state``) so that a resumed run logs what
+    the straight run logs: the usage window being accumulated (``train.usage_window``), the last completed window's
+    figures, the queue of recent training indices and the window's per-batch usage (:class:`~ddcl_vq.RecentUsage`) with
+    their last figures, the cumulative ``revived`` count at the last metrics line."""
 
     def __init__(self, model: VQVAE, device: torch.device, world: int = 1, is_main: bool = True):
         self.is_main = is_main
@@ -191,12 +188,11 @@ def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.opt
                   t: TrainConfig, *, forward: Optional[torch.nn.Module] = None, autocast: Callable = nullcontext,
                   scaler: Optional[torch.amp.GradScaler] = None,
                   gan: Optional[GANStep] = None) -> Tuple[torch.Tensor, torch.Tensor, VQVAEOutput]:
-    """One training step on the batch ``x``: forward, the loss (the plain MSE, or ``gan``'s generator
-    loss: pixel, perceptual, adversarial), backward, gradient clipping, the optimizer and lr-schedule
-    steps; then the discriminator's step (``gan``) and the quantizer's per-step state.
-    -> (loss, recon_loss, out). ``step``: optimizer steps done before this one; ``forward``: the module
-    to call (the DDP wrapper of ``model``), default ``model``; ``autocast``, ``scaler``:
-    :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
+    """One training step on the batch ``x``: forward, the loss (the plain MSE, or ``gan``'s generator loss: pixel,
+    perceptual, adversarial), backward, gradient clipping, the optimizer and lr-schedule steps; then the discriminator's
+    step (``gan``) and the quantizer's per-step state. -> (loss, recon_loss, out). ``step``: optimizer steps done before
+    this one; ``forward``: the module to call (the DDP wrapper of ``model``), default ``model``; ``autocast``,
+    ``scaler``: :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
     forward = model if forward is None else forward
     scaler = torch.amp.GradScaler("cuda", enabled=False) if scaler is None else scaler
     with autocast():
@@ -235,14 +231,13 @@ class EndOfRunEvaluationFailed(UserError, RuntimeError):
 def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) -> Dict:
     """Train (or resume) the run described by ``cfg``; returns the end-of-run summary.
 
-    ``stop_after``: leave after this many steps in this session, with a checkpoint, as if the
-    job were pre-empted (time-sliced clusters); running again resumes where it stopped. SIGTERM
-    and SIGINT do the same at the step under way and raise :class:`~ddcl_vq.train.errors.Stopped`.
+    ``stop_after``: leave after this many steps in this session, with a checkpoint, as if the job were pre-empted
+    (time-sliced clusters); running again resumes where it stopped. SIGTERM and SIGINT do the same at the step under way
+    and raise :class:`~ddcl_vq.train.errors.Stopped`.
 
-    The run directory is locked while training (a second training there is refused); a run
-    resumes only with the config it was trained with (RESUMABLE keys aside); a finished run with
-    its summary is left as it is; when the end-of-run evaluation fails, the finished training is
-    kept and running the same command again only evaluates.
+    The run directory is locked while training (a second training there is refused); a run resumes only with the config
+    it was trained with (RESUMABLE keys aside); a finished run with its summary is left as it is; when the end-of-run
+    evaluation fails, the finished training is kept and running the same command again only evaluates.
     """
     t = cfg.train
     run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,

@@ -1,7 +1,7 @@
 """The VQGAN recipe's losses, in one place: pixel (l1 | l2), LPIPS perceptual, PatchGAN adversarial.
 
-taming-transformers' ``VQLPIPSWithDiscriminator`` (Esser et al. 2021), as the ``loss:`` section of a
-training config names it::
+taming-transformers' ``VQLPIPSWithDiscriminator`` (Esser et al. 2021), as the ``loss:`` section of a training config
+names it::
 
     L_rec = pixel_weight * pixel(x, x_hat) + perceptual_weight * LPIPS(x, x_hat)
     L_G   = hinge | vanilla: -mean D(x_hat);  non_saturating: mean softplus(-D(x_hat))
@@ -11,15 +11,14 @@ training config names it::
     L_D   = hinge: 0.5 (mean relu(1 - D(x)) + mean relu(1 + D(x_hat)))
             vanilla | non_saturating: 0.5 (mean softplus(-D(x)) + mean softplus(D(x_hat)))
 
-Images are in [0, 1]; LPIPS and the discriminator see them mapped to [-1, 1]. The LPIPS trunk is
-frozen and always carries real ImageNet weights (:mod:`ddcl_vq.train.lpips_weights`); without them
-a perceptual loss is a ConfigError, never a random trunk. The discriminator is taming's
-``NLayerDiscriminator`` (PatchGAN: 4x4 convs, BatchNorm, LeakyReLU 0.2) with its own Adam
-(beta = (0.5, 0.9)) and the generator's learning-rate schedule; before ``disc_start`` it is neither
-run nor updated (its loss is 0 and the generator gets no adversarial gradient).
+Images are in [0, 1]; LPIPS and the discriminator see them mapped to [-1, 1]. The LPIPS trunk is frozen and always
+carries real ImageNet weights (:mod:`ddcl_vq.train.lpips_weights`); without them a perceptual loss is a ConfigError,
+never a random trunk. The discriminator is taming's ``NLayerDiscriminator`` (PatchGAN: 4x4 convs, BatchNorm, LeakyReLU
+0.2) with its own Adam (beta = (0.5, 0.9)) and the generator's learning-rate schedule; before ``disc_start`` it is
+neither run nor updated (its loss is 0 and the generator gets no adversarial gradient).
 
-The training loop drives it through :class:`GANStep`; with the defaults (pixel l2, weight 1, no
-perceptual, no discriminator) there is none and the loop runs exactly as before.
+The training loop drives it through :class:`GANStep`; with the defaults (pixel l2, weight 1, no perceptual, no
+discriminator) there is none and the loop runs exactly as before.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """How much memory a training configuration needs, estimated before anything is allocated.
 
-A codebook of ``quantizer.num_codes=1000000000`` codes asks for more memory than any machine has;
-without a check the first allocation fails with a raw traceback (or the kernel's OOM killer ends
-the process). :func:`check_fits` builds the model on PyTorch's ``meta`` device (shapes, no memory),
-adds what one training step needs at least, and refuses — one line, with the figures — when that
-exceeds the memory the device has available. The estimate is a lower bound: a configuration it
-passes may still need more (activations, the allocator's slack); one it refuses cannot run.
+A codebook of ``quantizer.num_codes=1000000000`` codes asks for more memory than any machine has; without a check the
+first allocation fails with a raw traceback (or the kernel's OOM killer ends the process). :func:`check_fits` builds the
+model on PyTorch's ``meta`` device (shapes, no memory), adds what one training step needs at least, and refuses — one
+line, with the figures — when that exceeds the memory the device has available. The estimate is a lower bound: a
+configuration it passes may still need more (activations, the allocator's slack); one it refuses cannot run.
 """
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
 """The prior's training loop: an autoregressive transformer over a tokenizer's code maps.
 
-Run inside :class:`~ddcl_vq.train.skeleton.TrainingRun`, like the tokenizer's loop: the prior
-directory holds ``config.yaml`` (resolved), ``checkpoints/last.pt`` (+ periodic ones), ``tb/``,
-``metrics.jsonl`` and ``summary.json``; one training at a time; SIGTERM/SIGINT save a checkpoint.
-Resume: the same command continues from the newest checkpoint (model, optimizer, schedule, RNG,
-and the data order: batches come from :class:`~ddcl_vq.train.data.EpochBatches`, so a resumed run
-sees exactly the batches a straight run would). Only :data:`~.prior_config.RESUMABLE` settings may
-change, and the training tokens must be the same codes (checked by content, not by path).
-torchrun: the model is wrapped in DistributedDataParallel, ``train.batch_size`` is the global batch.
+Run inside :class:`~ddcl_vq.train.skeleton.TrainingRun`, like the tokenizer's loop: the prior directory holds
+``config.yaml`` (resolved), ``checkpoints/last.pt`` (+ periodic ones), ``tb/``, ``metrics.jsonl`` and ``summary.json``;
+one training at a time; SIGTERM/SIGINT save a checkpoint. Resume: the same command continues from the newest checkpoint
+(model, optimizer, schedule, RNG, and the data order: batches come from :class:`~ddcl_vq.train.data.EpochBatches`, so a
+resumed run sees exactly the batches a straight run would). Only :data:`~.prior_config.RESUMABLE` settings may change,
+and the training tokens must be the same codes (checked by content, not by path). torchrun: the model is wrapped in
+DistributedDataParallel, ``train.batch_size`` is the global batch.
 
-The code maps come from ``load_data(cfg)`` (``ddcl_vq.eval.prior.data.PriorData``, which reads token
-files and the tokenizer; called after the seed is set, since loading the tokenizer builds a model),
-an object with ``train`` and ``test`` (``Tokens``: ``codes`` (N, h, w) long,
-``labels`` (N,) or None, ``grid``, ``path``), ``num_codes``, ``num_classes`` and ``meta()``.
+The code maps come from ``load_data(cfg)`` (``ddcl_vq.eval.prior.data.PriorData``, which reads token files and the
+tokenizer; called after the seed is set, since loading the tokenizer builds a model), an object with ``train`` and
+``test`` (``Tokens``: ``codes`` (N, h, w) long, ``labels`` (N,) or None, ``grid``, ``path``), ``num_codes``,
+``num_classes`` and ``meta()``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""The readout study's training: each readout arm over a small patch transformer, at the same budget
-(steps, batch, lr, seed, data order, encoder initialisation), and the hierarchical compressor on a
-trained arm's frozen tokens.
+"""The readout study's training: each readout arm over a small patch transformer, at the same budget (steps, batch, lr,
+seed, data order, encoder initialisation), and the hierarchical compressor on a trained arm's frozen tokens.
 
-Each arm trains inside :class:`~ddcl_vq.train.skeleton.TrainingRun` in OUT/runs/<arm> (config.yaml,
-checkpoints, metrics.jsonl, tb/, summary.json): a killed study resumes each arm from its checkpoint
-when the same command runs again, and a finished arm is reused (loaded, not trained again). An arm
-folder trained with other settings is refused, never mixed in.
+Each arm trains inside :class:`~ddcl_vq.train.skeleton.TrainingRun` in OUT/runs/<arm> (config.yaml, checkpoints,
+metrics.jsonl, tb/, summary.json): a killed study resumes each arm from its checkpoint when the same command runs again,
+and a finished arm is reused (loaded, not trained again). An arm folder trained with other settings is refused, never
+mixed in.
 """
 from __future__ import annotations
 

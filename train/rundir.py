@@ -1,15 +1,13 @@
 """The run directory: usable (a writable folder), one training at a time, resumed only as the same run.
 
-- :func:`writable_dir` checks a folder can be created and written before any expensive work
-  (training, ``evaluate``, ``compare``), so a bad path fails at once with one line.
-- :class:`RunLock` holds ``RUN_DIR/train.lock`` (an advisory ``flock`` on a file that names the
-  holder's PID and host) while a training runs: a second training in the same folder is refused,
-  naming that PID; the kernel drops the lock when its process ends, however it ends (kill -9
-  included), so a lock left by a process that is gone is taken over.
-- :func:`check_resume` compares the config a checkpoint was trained with (resolved, old keys
-  migrated) with the config asked for now: only :data:`RESUMABLE` keys may change; anything that
-  changes the model, the optimisation, the data or a schedule is refused with the list of
-  differing keys.
+- :func:`writable_dir` checks a folder can be created and written before any expensive work (training, ``evaluate``,
+  ``compare``), so a bad path fails at once with one line.
+- :class:`RunLock` holds ``RUN_DIR/train.lock`` (an advisory ``flock`` on a file that names the holder's PID and host)
+  while a training runs: a second training in the same folder is refused, naming that PID; the kernel drops the lock
+  when its process ends, however it ends (kill -9 included), so a lock left by a process that is gone is taken over.
+- :func:`check_resume` compares the config a checkpoint was trained with (resolved, old keys migrated) with the config
+  asked for now: only :data:`RESUMABLE` keys may change; anything that changes the model, the optimisation, the data or
+  a schedule is refused with the list of differing keys.
 """
 from __future__ import annotations
 
@@ -29,9 +27,8 @@ from .settings import ConfigError
 
 LOCK_NAME = "train.lock"
 
-#: settings that may change when a run resumes: how long it trains, what it logs and keeps, where
-#: it runs (train.steps: not below the steps already trained; data.root: not for image_folder,
-#: where it is the data itself)
+#: settings that may change when a run resumes: how long it trains, what it logs and keeps, where it runs (train.steps:
+#: not below the steps already trained; data.root: not for image_folder, where it is the data itself)
 RESUMABLE = ("train.steps", "train.log_every", "train.image_every", "train.checkpoint_every", "train.eval_images",
              "train.usage_window", "train.device", "train.threads", "data.num_workers", "data.download", "data.root", "run.dir",
              "run.name", "quantizer.implementation")

@@ -1,16 +1,14 @@
 """Typed settings: one way to declare and validate the settings of every command.
 
-Settings are dataclass fields (name, type, default). Values come from YAML mappings and dotted
-overrides (the training config, :mod:`ddcl_vq.train.config`; the study file,
-:mod:`ddcl_vq.eval.study.config`) or from command-line options (each command's options
-dataclass, read by :class:`Options`); either way they are checked by the same code:
+Settings are dataclass fields (name, type, default). Values come from YAML mappings and dotted overrides (the training
+config, :mod:`ddcl_vq.train.config`; the study file, :mod:`ddcl_vq.eval.study.config`) or from command-line options
+(each command's options dataclass, read by :class:`Options`); either way they are checked by the same code:
 
 - an unknown key is an error naming the key and the nearest valid one;
 - a value of the wrong type is an error naming the key, what was expected and what came;
 - :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every value is in.
 
-Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.train.errors.UserError`, which the
-commands print as one line.
+Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.train.errors.UserError`, which the commands print as one line.
 """
 from __future__ import annotations
 
@@ -72,9 +70,8 @@ def nearest(key: str, candidates: Sequence[str]) -> str:
 
 
 def close_key(key: str, candidates: Sequence[str]) -> Optional[str]:
-    """A valid key close enough to ``key`` to be what was meant, or None: one whose last part is
-    close to ``key``'s last part (in ``key``'s section first: a key in the wrong section points to
-    the right one), else one close as a whole."""
+    """A valid key close enough to ``key`` to be what was meant, or None: one whose last part is close to ``key``'s last
+    part (in ``key``'s section first: a key in the wrong section points to the right one), else one close as a whole."""
     leaf = key.split(".")[-1]
     close = difflib.get_close_matches(leaf, sorted({k.split(".")[-1] for k in candidates}), n=1, cutoff=0.6)
     if close:
@@ -144,8 +141,8 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is Any:
         return value
-    if annotation is bool:
-        if isinstance(value, bool):
+    if annotation in (bool, str):
+        if isinstance(value, annotation):
             return value
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -160,9 +157,6 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
             return float(value)
         if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
             return float(value)  # 1e-3: YAML 1.1 makes it a string, people write learning rates so
-    elif annotation is str:
-        if isinstance(value, str):
-            return value
     elif origin in (list, List) or annotation is list:
         if isinstance(value, list):
             inner = args[0] if args else Any
@@ -243,11 +237,10 @@ def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MIS
            hidden: bool = False, default_text: Optional[str] = None) -> Any:
     """A field of a command's options dataclass.
 
-    ``flag``: the option string (default ``--`` + the name with ``-`` for ``_``); ``positional``:
-    an argument without a flag; ``nargs``: as argparse; ``sep``: a list given as one value split
-    at ``sep`` (``--arms mean,ddcl``); ``default_text``: how --help states the default when the
-    value alone would not say it; ``hidden``: left out of --help. A bool field is a switch.
-    A field without a default is a required option.
+    ``flag``: the option string (default ``--`` + the name with ``-`` for ``_``); ``positional``: an argument without a
+    flag; ``nargs``: as argparse; ``sep``: a list given as one value split at ``sep`` (``--arms mean,ddcl``);
+    ``default_text``: how --help states the default when the value alone would not say it; ``hidden``: left out of
+    --help. A bool field is a switch. A field without a default is a required option.
     """
     meta = dict(help=help, flag=flag, metavar=metavar, nargs=nargs, sep=sep, positional=positional, hidden=hidden,
                 default_text=default_text)

@@ -1,8 +1,8 @@
 """What every training loop does around its step, written once.
 
-The tokenizer's loop (:mod:`.loop`), the prior's (:mod:`.prior`) and the readout arms'
-(:mod:`.readout`) keep only what is their own — build the model and optimizer, one step, their
-evaluation, their summary — and run inside a :class:`TrainingRun`::
+The tokenizer's loop (:mod:`.loop`), the prior's (:mod:`.prior`) and the readout arms' (:mod:`.readout`) keep only what
+is their own — build the model and optimizer, one step, their evaluation, their summary — and run inside a
+:class:`TrainingRun`::
 
     run = TrainingRun(run_dir, total_steps, checkpoint_every=..., log_every=..., name=..., device="auto")
     with run:                                   # torchrun set up, run directory created and locked
@@ -16,11 +16,10 @@ evaluation, their summary — and run inside a :class:`TrainingRun`::
                 run.log(step + 1, {"loss": loss.item()})
         ...evaluate, summary...
 
-``run.steps`` ends at ``total_steps``; after ``stop_after`` steps of this session (with a
-checkpoint); and on SIGTERM or SIGINT (Ctrl-C): the step under way finishes, a checkpoint is saved
-(under torchrun every process stops at the same step) and :class:`Stopped` is raised, which every
-command turns into one line and exit status 128 + the signal. A second signal stops at once.
-Checkpoints are atomic (:mod:`.checkpoint`); metrics.jsonl loses the lines a killed session wrote
+``run.steps`` ends at ``total_steps``; after ``stop_after`` steps of this session (with a checkpoint); and on SIGTERM or
+SIGINT (Ctrl-C): the step under way finishes, a checkpoint is saved (under torchrun every process stops at the same
+step) and :class:`Stopped` is raised, which every command turns into one line and exit status 128 + the signal. A second
+signal stops at once. Checkpoints are atomic (:mod:`.checkpoint`); metrics.jsonl loses the lines a killed session wrote
 past the checkpoint it resumes from (:func:`.rundir.keep_logged_steps`); TensorBoard purges them.
 """
 from __future__ import annotations
@@ -158,14 +157,13 @@ class _Signals:
 class TrainingRun:
     """One training in its run directory, from torchrun set-up and the lock to the last checkpoint.
 
-    run_dir: where config.yaml, checkpoints/, tb/, metrics.jsonl go; total_steps: the training's
-    length; checkpoint_every: periodic checkpoints (step_XXXXXXX.pt, the newest few kept) beside
-    last.pt, also written at the last step; log_every: what ``log`` callers use with ``due``;
-    name: the progress line's label; device: "auto" | "cpu" | "cuda"; quiet: no progress;
-    stop_after: leave after this many steps of this session, with a checkpoint; config: the
-    resolved config saved in every checkpoint; extra: more plain values saved in every checkpoint;
-    threads: the configured CPU threads (None: automatic — then a resumed run takes the count its
-    checkpoint was trained with, so that it continues the straight run bit for bit)."""
+    run_dir: where config.yaml, checkpoints/, tb/, metrics.jsonl go; total_steps: the training's length;
+    checkpoint_every: periodic checkpoints (step_XXXXXXX.pt, the newest few kept) beside last.pt, also written at the
+    last step; log_every: what ``log`` callers use with ``due``; name: the progress line's label; device: "auto" | "cpu"
+    | "cuda"; quiet: no progress; stop_after: leave after this many steps of this session, with a checkpoint; config:
+    the resolved config saved in every checkpoint; extra: more plain values saved in every checkpoint; threads: the
+    configured CPU threads (None: automatic — then a resumed run takes the count its checkpoint was trained with, so
+    that it continues the straight run bit for bit)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, checkpoint_every: int, log_every: int, name: str,
                  device: str = "auto", quiet: bool = False, stop_after: Optional[int] = None,

@@ -40,11 +40,10 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
                         max_images: int = 0, on_batch=None, progress: bool = False, num_workers: int = 0) -> Dict:
     """-> {"num_images", "hard": {"mse", "psnr"}, "soft": {...} or None, "usage": UsageStats}.
 
-    ``soft`` is measured when the quantizer has soft codes (``quantizer.has_soft_codes``), else None.
-    MSE = mean over images and pixels; PSNR = mean over images of 10·log10(1 / MSE_image)
-    (images in [0, 1]; a perfect image's MSE is floored at 1e-10). ``on_batch(x, hard, soft)``
-    lets callers add metrics on the same pass. The pass adds no host sync per batch (the
-    quantizer's own input checks aside): every sum stays on the device until the end.
+    ``soft`` is measured when the quantizer has soft codes (``quantizer.has_soft_codes``), else None. MSE = mean over
+    images and pixels; PSNR = mean over images of 10·log10(1 / MSE_image) (images in [0, 1]; a perfect image's MSE is
+    floored at 1e-10). ``on_batch(x, hard, soft)`` lets callers add metrics on the same pass. The pass adds no host sync
+    per batch (the quantizer's own input checks aside): every sum stays on the device until the end.
     """
     was_training = model.training
     model.eval()

@@ -1,21 +1,20 @@
-"""How many torch intra-op (CPU) threads a command uses: one rule for every heavy command
-(``train.threads`` in a training config, ``--threads`` on evaluate, compare, tokenize and study).
+"""How many torch intra-op (CPU) threads a command uses: one rule for every heavy command (``train.threads`` in a
+training config, ``--threads`` on evaluate, compare, tokenize and study).
 
-PyTorch starts one intra-op thread per core. When other processes keep those cores busy (several
-trainings, a test suite, other users on a shared machine) every parallel operation waits for its
-slowest thread and a step slows down many times over; on an idle machine every core helps
-(docs/performance.md has both measurements). The automatic choice (``threads: null`` / no
-``--threads``) therefore looks at the machine as it is when the command starts:
+PyTorch starts one intra-op thread per core. When other processes keep those cores busy (several trainings, a test
+suite, other users on a shared machine) every parallel operation waits for its slowest thread and a step slows down many
+times over; on an idle machine every core helps (docs/performance.md has both measurements). The automatic choice
+(``threads: null`` / no ``--threads``) therefore looks at the machine as it is when the command starts:
 
 - ``OMP_NUM_THREADS`` when it is set (the user's or a launcher's choice);
-- one thread per process when a launcher starts several on this machine (torchrun's
-  ``LOCAL_WORLD_SIZE``; ``ddcl-vq study --jobs N`` gives its trainings one each);
-- else the physical cores this process may run on (its CPU affinity) that are idle — the busy
-  ones measured over a quarter of a second from /proc/stat — at least 1, at most :data:`AUTO_MAX`.
+- one thread per process when a launcher starts several on this machine (torchrun's ``LOCAL_WORLD_SIZE``; ``ddcl-vq
+  study --jobs N`` gives its trainings one each);
+- else the physical cores this process may run on (its CPU affinity) that are idle — the busy ones measured over a
+  quarter of a second from /proc/stat — at least 1, at most :data:`AUTO_MAX`.
 
-The thread count can change the last bits of a result (the order of a parallel sum): a training
-records the count it chose in its checkpoints and a resumed run continues with it
-(:class:`~ddcl_vq.train.skeleton.TrainingRun`), and ``train.threads`` / ``--threads`` fix it.
+The thread count can change the last bits of a result (the order of a parallel sum): a training records the count it
+chose in its checkpoints and a resumed run continues with it (:class:`~ddcl_vq.train.skeleton.TrainingRun`), and
+``train.threads`` / ``--threads`` fix it.
 """
 from __future__ import annotations
 

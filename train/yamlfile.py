@@ -1,17 +1,16 @@
-"""Bounded YAML: config files and override values are read with limits, so that a hostile or
-broken file fails at once with one line instead of taking minutes and gigabytes.
+"""Bounded YAML: config files and override values are read with limits, so that a hostile or broken file fails at once
+with one line instead of taking minutes and gigabytes.
 
 - size: at most :data:`MAX_BYTES` of text;
-- nesting: at most :data:`MAX_DEPTH` levels of mappings and lists (checked on the parser's event
-  stream, before anything is built, so deep nesting cannot exhaust the recursion limit);
-- aliases: the document, with every alias (``*name``) expanded, holds at most :data:`MAX_VALUES`
-  values (an "alias bomb" of a few hundred bytes expands to billions), and no alias may refer
-  to a mapping or list that contains it (a recursive document);
-- duplicate keys: a key twice in one mapping is refused, naming the key and both lines (YAML
-  readers keep the last one without a word).
+- nesting: at most :data:`MAX_DEPTH` levels of mappings and lists (checked on the parser's event stream, before anything
+  is built, so deep nesting cannot exhaust the recursion limit);
+- aliases: the document, with every alias (``*name``) expanded, holds at most :data:`MAX_VALUES` values (an "alias bomb"
+  of a few hundred bytes expands to billions), and no alias may refer to a mapping or list that contains it (a recursive
+  document);
+- duplicate keys: a key twice in one mapping is refused, naming the key and both lines (YAML readers keep the last one
+  without a word).
 
-Errors never print the document's values. Safe loading only (``yaml.SafeLoader``: no ``!!python``
-tags).
+Errors never print the document's values. Safe loading only (``yaml.SafeLoader``: no ``!!python`` tags).
 """
 from __future__ import annotations
 

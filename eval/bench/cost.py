@@ -10,9 +10,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 # name -> label.  ddcl-mstep is the library default (straight_through, M-step codebook: no
-# gradient through the assignment); ddcl-<path> is straight_through with the codebook trained by
-# gradient (the assignment's fused/chunked/reference paths), ddcl-soft-<path> the soft mode (full
-# gradient through q to z and W).
+# gradient through the assignment); ddcl-<path> is straight_through with the codebook trained by gradient (the
+# assignment's fused/chunked/reference paths), ddcl-soft-<path> the soft mode (full gradient through q to z and W).
 IMPLS = {
     "matmul6": "six bare matmuls (floor of the full DDCL gradient)",
     "ddcl-mstep": "DDCL default: straight_through, M-step codebook",
@@ -27,10 +26,9 @@ IMPLS = {
     "ibq": "IBQ (index backpropagation: hard forward, softmax gradient into every code; published settings)",
 }
 
-# cost model for the estimates, fitted to runs on a 2-core EPYC: (matmuls of N×D·D×K, other N×K work
-# counted in D=64-matmul equivalents, N×K float tensors alive at the peak). ddcl-first: + the k-means fit
-# (see estimate); ddcl-twins: + a 512×K·K×D twin check; ibq: blocked (logits recomputed, softmax and its
-# tempered twin both ways)
+# cost model for the estimates, fitted to runs on a 2-core EPYC: (matmuls of N×D·D×K, other N×K work counted in
+# D=64-matmul equivalents, N×K float tensors alive at the peak). ddcl-first: + the k-means fit (see estimate);
+# ddcl-twins: + a 512×K·K×D twin check; ibq: blocked (logits recomputed, softmax and its tempered twin both ways)
 COST = {
     "matmul6": (6.0, 0.0, 0.0), "ddcl-mstep": (3.0, 4.0, 1.0), "ddcl-first": (4.0, 5.0, 1.0),
     "ddcl-twins": (3.5, 4.5, 1.0), "ddcl-reference": (3.0, 23.0, 8.0), "ddcl-fused": (3.0, 3.0, 0.0),
@@ -40,7 +38,8 @@ COST = {
 }
 
 FLOOR_MATMULS = {"ddcl-soft-reference": 6, "ddcl-soft-fused": 6, "ddcl-soft-chunked": 6, "ddcl-mstep": 3,
-                 "ddcl-first": 3, "ddcl-twins": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3, "matmul6": 6}
+                 "ddcl-first": 3, "ddcl-twins": 3, "ddcl-reference": 3, "ddcl-fused": 3, "ddcl-chunked": 3,
+                 "matmul6": 6}
 
 
 def calibrate(device: str = "cpu") -> float:

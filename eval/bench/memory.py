@@ -29,10 +29,9 @@ def release_held_buffers() -> None:
 class RssProbe:
     """Peak extra resident memory of a block of code, in MiB (Linux only).
 
-    start(): free the DDCL fused path's held q buffer, collect garbage, give freed heap back to
-    the OS (malloc_trim), reset the high-water mark (write "5" to /proc/self/clear_refs) and read
-    VmRSS as the baseline.
-    stop(): VmHWM − baseline.
+    start(): free the DDCL fused path's held q buffer, collect garbage, give freed heap back to the OS (malloc_trim),
+    reset the high-water mark (write "5" to /proc/self/clear_refs) and read VmRSS as the baseline. stop(): VmHWM −
+    baseline.
     """
 
     def __init__(self):

@@ -132,12 +132,11 @@ def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
 def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True,
              device: str = "cpu") -> List[dict]:
     """One VQ-VAE training step with DDCL vs HardVQ: the training loop's own step
-    (:func:`ddcl_vq.train.loop.training_step`: forward, loss, backward, gradient clipping, AdamW, the
-    learning-rate schedule and the quantizer's per-step state), on the models of
-    configs/fashion_ddcl.yaml and configs/fashion_hard.yaml. ``with_reference`` adds the DDCL model on
-    the reference path when its quantizer has one to choose (not the M-step default in
-    straight_through mode, which takes no assignment path). Each row has the wall-clock median and
-    ratios, and the same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``): on a
+    (:func:`ddcl_vq.train.loop.training_step`: forward, loss, backward, gradient clipping, AdamW, the learning-rate
+    schedule and the quantizer's per-step state), on the models of configs/fashion_ddcl.yaml and
+    configs/fashion_hard.yaml. ``with_reference`` adds the DDCL model on the reference path when its quantizer has one
+    to choose (not the M-step default in straight_through mode, which takes no assignment path). Each row has the
+    wall-clock median and ratios, and the same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``): on a
     core shared with other jobs the CPU time leaves out the time the step waited for the core.
     """
     from ddcl_vq.train.loop import training_step
@@ -178,9 +177,8 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
 
 def paired_times(steps: Dict[str, Callable[[], None]], repeats: int,
                  warmup: int) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
-    """``warmup`` calls of each step, then ``repeats`` rounds of one call each, the order alternating
-    between rounds (who goes first); -> per label, the wall-clock seconds and the process CPU seconds
-    of every timed call."""
+    """``warmup`` calls of each step, then ``repeats`` rounds of one call each, the order alternating between rounds
+    (who goes first); -> per label, the wall-clock seconds and the process CPU seconds of every timed call."""
     for s in steps.values():
         for _ in range(warmup):
             s()

@@ -1,14 +1,12 @@
 """One VQGAN-recipe training step with DDCL vs HardVQ (issue 23's cost goal: DDCL <= 1.05x HardVQ).
 
-The models, optimizers, learning-rate schedules and losses are built from
-configs/vqgan_photos64.yaml through the training package as ``ddcl-vq train`` builds them (the
-taming/diffusers encoder and decoder, L1 + LPIPS + hinge PatchGAN with the adaptive weight), once
-with the config's DDCL quantizer and once as configs/study_vqgan.yaml's ``hard`` arm (HardVQ,
-beta 0.25, codebook lr ratio 1). Each timed call is the loop's own
-:func:`ddcl_vq.train.loop.training_step` (generator forward, loss, backward, AdamW step, lr
-schedule, then the discriminator's Adam step, then the quantizer's per-step state) from step
-``loss.disc_start`` on, so the discriminator is on; DDCL is past its warm-up. The batch is real
-training crops (the config's data, the first ``batch`` of a seeded permutation).
+The models, optimizers, learning-rate schedules and losses are built from configs/vqgan_photos64.yaml through the
+training package as ``ddcl-vq train`` builds them (the taming/diffusers encoder and decoder, L1 + LPIPS + hinge PatchGAN
+with the adaptive weight), once with the config's DDCL quantizer and once as configs/study_vqgan.yaml's ``hard`` arm
+(HardVQ, beta 0.25, codebook lr ratio 1). Each timed call is the loop's own :func:`ddcl_vq.train.loop.training_step`
+(generator forward, loss, backward, AdamW step, lr schedule, then the discriminator's Adam step, then the quantizer's
+per-step state) from step ``loss.disc_start`` on, so the discriminator is on; DDCL is past its warm-up. The batch is
+real training crops (the config's data, the first ``batch`` of a seeded permutation).
 """
 from __future__ import annotations
 
@@ -27,10 +25,9 @@ VQGAN_ARMS = (("ddcl", ("quantizer.type=ddcl",)),
 
 
 def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
-    """-> ((label -> (cfg, model, optimizer, scheduler, gan, autocast, scaler), the config's training
-    set), None), built as the training loop builds them; or (None, the reason) when the recipe cannot
-    be built here (the training package or the config missing, or no LPIPS weights). An invalid
-    config is an error (a ConfigError naming it)."""
+    """-> ((label -> (cfg, model, optimizer, scheduler, gan, autocast, scaler), the config's training set), None), built
+    as the training loop builds them; or (None, the reason) when the recipe cannot be built here (the training package
+    or the config missing, or no LPIPS weights). An invalid config is an error (a ConfigError naming it)."""
     try:
         from ddcl_vq.train.builders import build_model, build_optimizer, lr_lambda
         from ddcl_vq.train.config import load_config
@@ -68,11 +65,10 @@ def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
 
 def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str = "cpu",
                configs: Path = CONFIGS_DIR) -> List[dict]:
-    """Rows ``vqgan-step-ddcl`` and ``vqgan-step-hardvq``: the wall-clock median of one generator +
-    discriminator training step, its ratios to HardVQ's step in the same rounds (of the medians, and
-    the median of the per-round ratios) and the same from process CPU time, for a batch of
-    ``batch`` training crops (input_shape). When the recipe cannot be built here the rows are
-    skipped, with the reason."""
+    """Rows ``vqgan-step-ddcl`` and ``vqgan-step-hardvq``: the wall-clock median of one generator + discriminator
+    training step, its ratios to HardVQ's step in the same rounds (of the medians, and the median of the per-round
+    ratios) and the same from process CPU time, for a batch of ``batch`` training crops (input_shape). When the recipe
+    cannot be built here the rows are skipped, with the reason."""
     built, reason = vqgan_setups(configs, device)
     if built is None:
         return [dict(impl=f"vqgan-step-{label}", N=None, D=None, K=None, ms=None, peak_mb=None,

@@ -1,20 +1,18 @@
-"""An offline sample-quality figure: a small classifier trained here, and the Fréchet distance in its
-feature space.
+"""An offline sample-quality figure: a small classifier trained here, and the Fréchet distance in its feature space.
 
-No package ships Inception weights on these machines, so FID proper cannot be computed offline.
-Instead a small CNN is trained on the training split of the tokenizer's own dataset (with its
-labels); its penultimate layer (128 features after a ReLU) is the feature space, and
+No package ships Inception weights on these machines, so FID proper cannot be computed offline. Instead a small CNN is
+trained on the training split of the tokenizer's own dataset (with its labels); its penultimate layer (128 features
+after a ReLU) is the feature space, and
 
     FD = ||mu_a − mu_b||² + Tr(S_a + S_b − 2 (S_a S_b)^½)
 
-between the features of real test images and of samples. It is NOT Inception FID and is not
-comparable to published FIDs; it compares samples of priors measured with the same classifier
-(same dataset, settings and seed: the cache key) at the same sample counts (FD is biased upward
-at small counts). The classifier's accuracy on samples of a requested class says whether a
-class-conditional prior draws that class.
+between the features of real test images and of samples. It is NOT Inception FID and is not comparable to published
+FIDs; it compares samples of priors measured with the same classifier (same dataset, settings and seed: the cache key)
+at the same sample counts (FD is biased upward at small counts). The classifier's accuracy on samples of a requested
+class says whether a class-conditional prior draws that class.
 
-The trained classifier is cached (``--cache-dir``; default ``$DDCL_VQ_CACHE`` or
-``~/.cache/ddcl-vq``) under a name made of the dataset, image size and training settings.
+The trained classifier is cached (``--cache-dir``; default ``$DDCL_VQ_CACHE`` or ``~/.cache/ddcl-vq``) under a name made
+of the dataset, image size and training settings.
 """
 from __future__ import annotations
 

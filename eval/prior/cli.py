@@ -94,9 +94,9 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     teardown_distributed()
     if not opts.quiet:
         done = summary["step"] >= summary["steps"]
-        print(f"{'done' if done else 'stopped'}: {summary['step']} of {summary['steps']} steps ({summary['train_seconds']:.0f} s this session, "
-              f"{summary['parameters']:,} parameters, K = {summary['num_codes']}, "
-              f"{'x'.join(map(str, summary['grid']))} codes, "
+        print(f"{'done' if done else 'stopped'}: {summary['step']} of {summary['steps']} steps "
+              f"({summary['train_seconds']:.0f} s this session, {summary['parameters']:,} parameters, "
+              f"K = {summary['num_codes']}, {'x'.join(map(str, summary['grid']))} codes, "
               f"{summary['num_classes'] or 'no'} classes) -> {summary['prior']}")
         if summary.get("test"):
             t = summary["test"]

@@ -1,8 +1,7 @@
 """Seeds: one table row per arm × sweep point, mean ± sample sd over its seeds.
 
-``aggregate(rows)`` is a pure function of the per-run rows that
-:func:`ddcl_vq.eval.compare.make_row` makes (each with ``group``, the arm × sweep
-point it belongs to, and ``seed``); ``write_seed_tables`` writes table.md/csv/json from it.
+``aggregate(rows)`` is a pure function of the per-run rows that :func:`ddcl_vq.eval.compare.make_row` makes (each with
+``group``, the arm × sweep point it belongs to, and ``seed``); ``write_seed_tables`` writes table.md/csv/json from it.
 """
 from __future__ import annotations
 

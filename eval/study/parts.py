@@ -47,9 +47,8 @@ def evaluated_config(arm: Arm, part: Part):
 
 
 def heldout_eval(arm: Arm, part: Part, study: Study) -> Dict:
-    """``arm`` evaluated under the part's eval_overrides: RUN_DIR/eval_<dataset>.json, reused when it
-    was made from the run's current checkpoint as asked, else made now and written there (the run's
-    own eval.json is never touched)."""
+    """``arm`` evaluated under the part's eval_overrides: RUN_DIR/eval_<dataset>.json, reused when it was made from the
+    run's current checkpoint as asked, else made now and written there (the run's own eval.json is never touched)."""
     from ddcl_vq.eval.evaluate import EvaluateError, eval_path, evaluate_run, heldout_tag, write_eval
     from ddcl_vq.eval.freshness import current_checkpoint, is_fresh, read_eval
     run_dir, ev = Path(arm.config.run.dir), study.eval
@@ -142,10 +141,7 @@ def run_parts(study: Study, train_arms: bool = True, progress: bool = True, verb
         check_run_dir(arm)
     started, date_start = time.time(), _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     claim_out(study)
-    failed: Dict[str, str] = {}
-    unfinished: List[str] = []
-    parts: List[Dict] = []
-    lines: List[str] = []
+    failed, unfinished, parts, lines = {}, [], [], []  # failed: arm -> why; parts: one entry per part
     for part in study.parts:
         sub = part_study(study, part)
         if not sub.arms:

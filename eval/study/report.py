@@ -45,7 +45,8 @@ def headline(rows: Sequence[Dict]) -> List[str]:
             parts.append(f"best baseline {b['name']} {_psnr(b)} at {b['utilization']:.1%} utilization")
         if ddcl:
             d = max(ddcl, key=lambda r: r["hard_psnr"])
-            text = f"best DDCL {d['name']} {_psnr(d)} at {d['utilization']:.1%} utilization ({d['dead_codes'] if 'n' not in d else format(d['dead_codes'], '.1f')} dead)"
+            dead = d["dead_codes"] if "n" not in d else format(d["dead_codes"], ".1f")
+            text = f"best DDCL {d['name']} {_psnr(d)} at {d['utilization']:.1%} utilization ({dead} dead)"
             if b:
                 text += f", {d['hard_psnr'] - b['hard_psnr']:+.2f} dB vs the best baseline"
                 if "n" in d:

@@ -57,9 +57,8 @@ def staging_folder(out_dir: Path) -> Path:
 
 
 def move_into_place(staging: Path, out_dir: Path, files: Sequence[str]) -> None:
-    """Move the checked export ``files`` from ``staging`` into ``out_dir``, readable like any file the
-    user writes (mkdtemp and some writers use 0700 / 0600); over an earlier export, the other format's
-    files are removed."""
+    """Move the checked export ``files`` from ``staging`` into ``out_dir``, readable like any file the user writes
+    (mkdtemp and some writers use 0700 / 0600); over an earlier export, the other format's files are removed."""
     mask = umask()
     os.chmod(staging, 0o777 & ~mask)  # an export is for sharing
     for name in files:

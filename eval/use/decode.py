@@ -1,8 +1,12 @@
-"""``ddcl-vq decode MODEL TOKENS --out grid.png``: code indices -> images, as a PNG grid (HELP: what it reads).
+"""Decode code indices into images and save them as one PNG grid, so you can look at what a prior
+sampled (or at a tokenized dataset). MODEL is a run directory, a folder written by
+`ddcl-vq export` or its Hub id (user/name); TOKENS is a .npy or .safetensors file holding integer
+indices in [0, K) of any integer dtype: (N, h, w) maps, one (h, w) map, or flat (N, h*w)
+sequences (what a prior emits), laid out on the model's latent grid or on --shape H W.
 
-Each map is decoded from its hard codes (``VQVAE.decode_indices``). Tokens whose metadata names another K are
-refused; maps of another grid size than the model was trained on are decoded with a note (the decoder is
-convolutional). The PNG is written atomically.
+  ddcl-vq decode runs/fashion_ddcl tokens/fashion_test.npy --out test_first64.png
+  ddcl-vq decode exported/fashion_ddcl samples.npy --out samples.png --count 100 --nrow 10
+  ddcl-vq decode exported/fashion_ddcl prior_flat.npy --shape 8 8 --out samples.png
 """
 from __future__ import annotations
 
@@ -21,17 +25,7 @@ from ddcl_vq.train.testset import EVAL_BATCH_SIZE
 
 from .files import TokenFileError, check_out, read_tokens
 
-HELP = """\
-Decode code indices into images and save them as one PNG grid, so you can look at what a prior
-sampled (or at a tokenized dataset). MODEL is a run directory, a folder written by
-`ddcl-vq export` or its Hub id (user/name); TOKENS is a .npy or .safetensors file holding integer
-indices in [0, K) of any integer dtype: (N, h, w) maps, one (h, w) map, or flat (N, h*w)
-sequences (what a prior emits), laid out on the model's latent grid or on --shape H W.
-
-  ddcl-vq decode runs/fashion_ddcl tokens/fashion_test.npy --out test_first64.png
-  ddcl-vq decode exported/fashion_ddcl samples.npy --out samples.png --count 100 --nrow 10
-  ddcl-vq decode exported/fashion_ddcl prior_flat.npy --shape 8 8 --out samples.png
-"""
+HELP = __doc__  # the module docstring is the --help text
 
 
 @dataclass(kw_only=True)
@@ -55,9 +49,8 @@ def as_maps(indices: np.ndarray, grid: Optional[Tuple[int, int]] = None,
             shape: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """(N, h, w) index maps from (N, h, w), one (h, w) map, or flat (N, h·w) / (h·w,) sequences.
 
-    A 2-D array is one map unless ``shape`` is given or its rows have the length of the model's
-    ``grid`` (h·w) while the array is not that grid itself; a flat length that fits neither is a
-    TokenFileError naming both."""
+    A 2-D array is one map unless ``shape`` is given or its rows have the length of the model's ``grid`` (h·w) while the
+    array is not that grid itself; a flat length that fits neither is a TokenFileError naming both."""
     if not isinstance(indices, np.ndarray) or not (np.issubdtype(indices.dtype, np.integer)):
         raise TokenFileError(f"expected integer indices, got dtype {getattr(indices, 'dtype', type(indices).__name__)}")
     if indices.ndim == 3:

@@ -1,8 +1,16 @@
-"""``ddcl-vq export RUN_DIR OUT_DIR``: a trained run -> a model folder the ecosystem can load (HELP: what the
-folder holds, how it is checked and loaded; ``--format diffusers``: :mod:`.export_diffusers`).
+"""Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
+arguments, quantizer and its temperature state included) + model.safetensors (weights and
+quantizer buffers, no pickle) + README.md. Load it anywhere with
 
-config.json holds the constructor arguments of encoder, quantizer and decoder from the run's resolved config,
-plus the quantizer's temperature state, the run and the data; ``--push-to-hub USER/NAME`` uploads the folder.
+  from ddcl_vq.models import VQVAE
+  model = VQVAE.from_pretrained("OUT_DIR")        # or a hub id after --push-to-hub
+
+The export is checked before the command returns: the loaded folder reproduces the run's hard
+reconstructions and indices bit for bit. A vqp (vector-quantize-pytorch) model needs that
+package installed where it is loaded.
+
+  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl
+  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl --push-to-hub me/fashion-ddcl-vq
 """
 from __future__ import annotations
 
@@ -22,21 +30,7 @@ from ddcl_vq.train.settings import Options, option
 from .checks import (EXPORT_FILES, ExportError, check_inputs as _check_inputs, check_out_dir, move_into_place,
                      staging_folder)
 
-HELP = """\
-Export a run directory written by `ddcl-vq train` as a model folder: config.json (constructor
-arguments, quantizer and its temperature state included) + model.safetensors (weights and
-quantizer buffers, no pickle) + README.md. Load it anywhere with
-
-  from ddcl_vq.models import VQVAE
-  model = VQVAE.from_pretrained("OUT_DIR")        # or a hub id after --push-to-hub
-
-The export is checked before the command returns: the loaded folder reproduces the run's hard
-reconstructions and indices bit for bit. A vqp (vector-quantize-pytorch) model needs that
-package installed where it is loaded.
-
-  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl
-  ddcl-vq export runs/fashion_ddcl exported/fashion_ddcl --push-to-hub me/fashion-ddcl-vq
-"""
+HELP = __doc__  # the module docstring is the --help text
 
 FILES = EXPORT_FILES["ddcl-vq"]
 
@@ -91,7 +85,8 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Dict:
-    """Write the export of ``run_dir`` into ``out_dir`` and check it; returns what was done."""
+    """Write the export of ``run_dir`` into ``out_dir`` and check it; returns what was done. config.json holds the
+    constructor arguments of encoder, quantizer and decoder, the quantizer's temperature state, the run and the data."""
     from ddcl_vq.eval.evaluate import load_run
     from ddcl_vq.models import VQVAE
     from ddcl_vq.train.data import image_channels

@@ -1,10 +1,9 @@
 """``ddcl-vq export RUN_DIR OUT_DIR --format diffusers``: a VQGAN run -> a plain ``diffusers.VQModel`` folder.
 
-A run trained with ``model.arch: vqgan`` is diffusers' VQModel encoder/decoder with our quantizer in
-the VectorQuantizer's place (:mod:`ddcl_vq.models.vqgan`). This export writes what diffusers itself
-writes for a VQModel (``VQModel.save_pretrained``: ``config.json`` + ``diffusion_pytorch_model.safetensors``)
-with the trained codebook as ``quantize.embedding.weight``, plus a README.md. Loading it needs diffusers
-and torch only — no ddcl-vq::
+A run trained with ``model.arch: vqgan`` is diffusers' VQModel encoder/decoder with our quantizer in the
+VectorQuantizer's place (:mod:`ddcl_vq.models.vqgan`). This export writes what diffusers itself writes for a VQModel
+(``VQModel.save_pretrained``: ``config.json`` + ``diffusion_pytorch_model.safetensors``) with the trained codebook as
+``quantize.embedding.weight``, plus a README.md. Loading it needs diffusers and torch only — no ddcl-vq::
 
     from diffusers import VQModel
     vq = VQModel.from_pretrained("OUT_DIR")
@@ -12,13 +11,12 @@ and torch only — no ddcl-vq::
     images = vq.decode(quant, force_not_quantize=True).sample          # the same as ddcl-vq's decode_indices
     # or end to end: vq(images).sample (diffusers' own nearest-code search: the same codes up to exact ties)
 
-Only a quantizer whose hard index is the nearest codebook row (``Quantizer.assigns_nearest_code``)
-can be exported so: diffusers' VQModel encodes by nearest-code search, so FSQ, LFQ (a rounded
-projection) or IBQ with dot-product logits would load as a model that encodes other codes; they are
-refused up front. The folder is checked before it is moved into place: loaded by diffusers alone, it
-must decode the run's hard codes of a fixed batch to the run's images within :data:`DECODE_ATOL` (the
-same modules and weights: 0 is what one machine measures), and diffusers' own nearest-code search must
-pick the run's codes wherever they are not ties (:data:`TIE_RTOL`); otherwise nothing is written.
+Only a quantizer whose hard index is the nearest codebook row (``Quantizer.assigns_nearest_code``) can be exported so:
+diffusers' VQModel encodes by nearest-code search, so FSQ, LFQ (a rounded projection) or IBQ with dot-product logits
+would load as a model that encodes other codes; they are refused up front. The folder is checked before it is moved into
+place: loaded by diffusers alone, it must decode the run's hard codes of a fixed batch to the run's images within
+:data:`DECODE_ATOL` (the same modules and weights: 0 is what one machine measures), and diffusers' own nearest-code
+search must pick the run's codes wherever they are not ties (:data:`TIE_RTOL`); otherwise nothing is written.
 """
 from __future__ import annotations
 
@@ -100,13 +98,14 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
     if getattr(cfg.model, "arch", "vqvae") != "vqgan":
-        raise ExportError(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel encoder/decoder); "
-                     f"{str(run_dir)!r} is a {cfg.model.arch} run: export it with --format ddcl-vq")
+        raise ExportError(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel "
+                          f"encoder/decoder); {str(run_dir)!r} is a {cfg.model.arch} run: export it with --format "
+                          "ddcl-vq")
     if not model.quantizer.assigns_nearest_code:
-        raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row (diffusers' "
-                     f"VQModel encodes by nearest-code search); the {cfg.quantizer.type} quantizer's index is not "
-                     f"(e.g. a rounded projection), so the exported VQModel would encode other codes than the run: "
-                     f"export it with --format ddcl-vq")
+        raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row "
+                          f"(diffusers' VQModel encodes by nearest-code search); the {cfg.quantizer.type} quantizer's "
+                          f"index is not (e.g. a rounded projection), so the exported VQModel would encode other codes "
+                          f"than the run: export it with --format ddcl-vq")
     check_out_dir(run_dir, out_dir, overwrite)
     model = model.cpu().eval()
     codes = torch.arange(model.quantizer.num_codes)
@@ -114,7 +113,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
         looked_up = model.quantizer.lookup(codes[:, None, None]).reshape(len(codes), -1)
     if not torch.equal(looked_up.float(), model.quantizer.codebook.detach().float()):
         raise ExportError(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
-                     f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
+                          f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
 
     vq = to_vqmodel(model)
     x = _check_inputs(model, cfg)
@@ -139,10 +138,10 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                                f"{diff:g} > {DECODE_ATOL:g}")
         untied = untied_disagreements(latents, loaded.quantize.embedding.weight, indices, their_indices)
         if untied:
-            raise ExportError(f"the diffusers export of {str(run_dir)!r} would be another model: diffusers' nearest-code "
-                         f"search picks other codes than the run at {untied} of {indices.numel()} latent positions "
-                         f"that are not ties ({agreement:.2%} agree); nothing was written to {str(out_dir)!r}; "
-                         f"export it with --format ddcl-vq")
+            raise ExportError(f"the diffusers export of {str(run_dir)!r} would be another model: diffusers' "
+                              f"nearest-code search picks other codes than the run at {untied} of {indices.numel()} "
+                              f"latent positions that are not ties ({agreement:.2%} agree); nothing was written to "
+                              f"{str(out_dir)!r}; export it with --format ddcl-vq")
         check = {"max_abs_diff": diff, "index_agreement": agreement, "checked_images": int(x.shape[0]),
                  "tolerance": DECODE_ATOL}
         source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}

@@ -1,15 +1,14 @@
 """Token files: the hard code indices of a dataset split, readable without ddcl-vq.
 
-``.npy``: FILE holds the indices (N, h, w); the labels, when the dataset has them, go to
-``<FILE without .npy>.labels.npy`` (N,) int64. Read with ``numpy.load``.
+``.npy``: FILE holds the indices (N, h, w); the labels, when the dataset has them, go to ``<FILE without
+.npy>.labels.npy`` (N,) int64. Read with ``numpy.load``.
 
-``.safetensors``: tensors ``indices`` (N, h, w) (required: a file without it is refused, whatever
-else it holds) and ``labels`` (N,) int64 (when present), and
-string metadata (``num_codes``, ``run``, ``split``, ``step``, ...). Read with
+``.safetensors``: tensors ``indices`` (N, h, w) (required: a file without it is refused, whatever else it holds) and
+``labels`` (N,) int64 (when present), and string metadata (``num_codes``, ``run``, ``split``, ``step``, ...). Read with
 ``safetensors.numpy.load_file`` (or ``safetensors.torch.load_file``).
 
-The indices' dtype is the smallest unsigned integer type that holds K codes: uint8 for
-K ≤ 256, uint16 for K ≤ 65,536, else uint32.
+The indices' dtype is the smallest unsigned integer type that holds K codes: uint8 for K ≤ 256, uint16 for K ≤ 65,536,
+else uint32.
 """
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndar
     returns the paths written. ``metadata`` goes into the safetensors header (values as strings)."""
     path = check_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = []
     if path.suffix == ".npy":
         def save(array):
             def write(tmp):
@@ -110,13 +108,11 @@ def write_tokens(path: str | Path, indices: np.ndarray, labels: Optional[np.ndar
                     raise OSError(errno.ENOSPC, f"wrote {os.path.getsize(tmp)} of {len(data)} bytes", str(tmp))
             return write
         _atomic(path, save(indices))
-        written.append(path)
         if labels is not None:
             _atomic(labels_path(path), save(labels))
-            written.append(labels_path(path))
         else:
             labels_path(path).unlink(missing_ok=True)  # not a stale one from an earlier run
-        return written
+        return [path] + ([labels_path(path)] if labels is not None else [])
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
     tensors = {"indices": np.ascontiguousarray(indices)}

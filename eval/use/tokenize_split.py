@@ -1,13 +1,20 @@
-"""``ddcl-vq tokenize MODEL --split train --out FILE``: a dataset split -> hard code indices (HELP: what it
-reads and writes; :mod:`.files`: the file format).
+"""Encode every image of a dataset split with a trained run's model and write the hard code
+indices, N x h x w in the smallest unsigned integer type that holds K (uint8 for K <= 256, uint16
+for K <= 65,536), with the labels when the dataset has them:
 
-Every image of the split, in dataset order, is encoded by the model in eval mode (``VQVAE.encode_indices``).
-The file is written once, at the end, atomically; encoding is fast (Fashion-MNIST's 60,000 training images
-take about 90 s on one shared CPU core with the default model), so there is nothing to resume.
+  FILE.npy          indices; labels in FILE.labels.npy      numpy.load(FILE)
+  FILE.safetensors  tensors 'indices' and 'labels' + metadata  safetensors.numpy.load_file(FILE)
+
+MODEL is a run directory, a folder written by `ddcl-vq export`, or its Hub id (user/name): an
+export names its dataset (name, image size), and data.* overrides say where it lives here.
+Dotted overrides change the run's config for this command only (e.g. data.root=/path).
+
+  ddcl-vq tokenize runs/fashion_ddcl --split train --out tokens/fashion_train.npy
+  ddcl-vq tokenize exported/fashion_ddcl --split test --out tokens/fashion_test.safetensors
+  ddcl-vq decode runs/fashion_ddcl tokens/fashion_train.npy --out first64.png
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,22 +31,7 @@ from ddcl_vq.train.threads import set_threads, threads_option
 
 from .files import TokenFileError, check_out, check_suffix, index_dtype, write_tokens
 
-HELP = """\
-Encode every image of a dataset split with a trained run's model and write the hard code
-indices, N x h x w in the smallest unsigned integer type that holds K (uint8 for K <= 256, uint16
-for K <= 65,536), with the labels when the dataset has them:
-
-  FILE.npy          indices; labels in FILE.labels.npy      numpy.load(FILE)
-  FILE.safetensors  tensors 'indices' and 'labels' + metadata  safetensors.numpy.load_file(FILE)
-
-MODEL is a run directory, a folder written by `ddcl-vq export`, or its Hub id (user/name): an
-export names its dataset (name, image size), and data.* overrides say where it lives here.
-Dotted overrides change the run's config for this command only (e.g. data.root=/path).
-
-  ddcl-vq tokenize runs/fashion_ddcl --split train --out tokens/fashion_train.npy
-  ddcl-vq tokenize exported/fashion_ddcl --split test --out tokens/fashion_test.safetensors
-  ddcl-vq decode runs/fashion_ddcl tokens/fashion_train.npy --out first64.png
-"""
+HELP = __doc__  # the module docstring is the --help text
 
 
 @dataclass(kw_only=True)
@@ -132,7 +124,10 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
                  max_images: int = 0, overrides=(), device: str = "auto", progress: bool = False,
                  overwrite: bool = False) -> Dict:
     """Tokenize ``split`` of the dataset of ``run_dir`` (a run directory, an exported model folder or
-    its Hub id) into ``out``; returns a summary. An existing ``out`` is replaced only with ``overwrite``."""
+    its Hub id) into ``out``; returns a summary. An existing ``out`` is replaced only with ``overwrite``.
+    Every image of the split, in dataset order, is encoded in eval mode (``VQVAE.encode_indices``); the file is written
+    once, at the end, atomically: encoding is fast (Fashion-MNIST's 60,000 training images take about 90 s on one
+    shared CPU core with the default model), so there is nothing to resume."""
     from ddcl_vq.train.data import build_dataset, resolve_workers
     from ddcl_vq.train.dataerrors import DataUnavailable
     from .models import load_source
@@ -183,4 +178,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
