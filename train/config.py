@@ -64,8 +64,7 @@ class DataConfig:
     train_photos: List[str] = field(default_factory=lambda: list(NATURAL_TRAIN_PHOTOS))
     test_photos: List[str] = field(default_factory=lambda: list(NATURAL_TEST_PHOTOS))
     num_workers: Optional[int] = None       # DataLoader workers; null = auto (data.resolve_workers)
-    augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (seeded
-                                             # random-resized crop + horizontal flip; test: centre crop)
+    augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (augment.py)
 
 
 #: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels (which come from
@@ -144,10 +143,8 @@ class TrainConfig:
     usage_window: int = 100                  # steps per windowed utilization / dead-code figure
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
-    threads: Optional[int] = None            # torch intra-op CPU threads per process; null = auto
-                                             # (train/threads.py); a resumed run keeps its count
-    init_from: Optional[str] = None          # start a new run from an exported model folder or Hub id: its weights
-                                             # and codebook state, step 0 (train/init_from.py)
+    threads: Optional[int] = None            # torch CPU threads per process; null = auto (threads.py), kept on resume
+    init_from: Optional[str] = None          # a new run from an exported model folder or Hub id (init_from.py)
 
 
 @dataclass
@@ -201,12 +198,11 @@ CHOICES = {
 }
 # DDCLQuantizer's allowed values, as the library states them
 CHOICES.update({f"quantizer.{name}": values for name, values in _ddcl.DDCL_CHOICES.items()})
-POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels",
-            "model.res_hidden", "model.num_downsamples", "model.latent_dim", "quantizer.num_codes",
-            "quantizer.temperature", "train.steps", "train.lr", "train.codebook_lr_ratio", "train.log_every",
-            "train.checkpoint_every", "train.image_every", "train.usage_window", "train.threads",
-            "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups", "loss.disc_layers",
-            "loss.disc_channels", "quantizer.entropy_temperature"}
+POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels", "model.res_hidden",
+            "model.num_downsamples", "model.latent_dim", "quantizer.num_codes", "quantizer.temperature", "train.steps",
+            "train.lr", "train.codebook_lr_ratio", "train.log_every", "train.checkpoint_every", "train.image_every",
+            "train.usage_window", "train.threads", "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups",
+            "loss.disc_layers", "loss.disc_channels", "quantizer.entropy_temperature"}
 #: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
 #: moves them instead, for the resolved config.yaml of runs written before the move)
 RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
@@ -215,11 +211,10 @@ RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
 LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
                "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
-                "quantizer.restart_step", "quantizer.warmup_steps",
-                "quantizer.revive_threshold", "quantizer.entropy_weight",
-                "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images",
-                "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight", "loss.disc_weight",
-                "loss.disc_start"}
+                "quantizer.restart_step", "quantizer.warmup_steps", "quantizer.revive_threshold",
+                "quantizer.entropy_weight", "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip",
+                "train.eval_images", "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight",
+                "loss.disc_weight", "loss.disc_start"}
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> List[str]:

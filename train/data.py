@@ -389,7 +389,6 @@ class EpochBatches:
 
 
 # ----------------------------------------------------------------------------- loading batches
-
 def in_memory(dataset: Dataset) -> bool:
     """True for a :class:`TensorImageDataset` (or a Subset of one): uint8 images in memory that a
     list of indices gathers as one batch."""

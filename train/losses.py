@@ -41,7 +41,6 @@ PERCEPTUAL_NETS = ("vgg", "alex")
 
 
 # --------------------------------------------------------------------------- discriminator
-
 class NLayerDiscriminator(nn.Module):
     """PatchGAN discriminator as in pix2pix and taming-transformers: a conv (stride 2) + LeakyReLU,
     ``n_layers - 1`` convs (stride 2) + BatchNorm + LeakyReLU doubling the channels (capped at 8x),
@@ -77,7 +76,6 @@ class NLayerDiscriminator(nn.Module):
 
 
 # --------------------------------------------------------------------------- loss functions
-
 def hinge_d_loss(logits_real: Tensor, logits_fake: Tensor) -> Tensor:
     return 0.5 * (F.relu(1.0 - logits_real).mean() + F.relu(1.0 + logits_fake).mean())
 
@@ -146,7 +144,6 @@ def is_plain_mse(loss_cfg) -> bool:
 
 
 # --------------------------------------------------------------------------- the training step's losses
-
 class GANStep:
     """Everything the VQGAN recipe adds to one training step; the loop calls
 

@@ -180,15 +180,13 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
             loss.backward()
             opt.step()
             scheduler.step()
-            w = window.values
-            w["ce"].append(float(ce.detach()))
-            w["acc"].append(float((logits.argmax(1) == y).float().mean()))
+            values = {"ce": float(ce.detach()), "acc": float((logits.argmax(1) == y).float().mean())}
             if out_ is not None:
                 d, o, v = (float(t.detach()) for t in (out_.distortion, out_.ols, out_.variance))
                 window.identity_max = max(window.identity_max, abs(d - o - v) / max(d, 1e-30))
-                for key, value in zip(("distortion", "ols", "variance"), (d, o, v)):
-                    w[key].append(value)
-                w["perplexity"].append(float(out_.perplexity))
+                values.update(distortion=d, ols=o, variance=v, perplexity=float(out_.perplexity))
+            for key, value in values.items():
+                window.values[key].append(value)
             if run.due(args.log_every, step + 1) or step == 0:
                 record = window.mean_record()
                 if out_ is not None:
@@ -202,12 +200,10 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
         acc, usage = accuracy(model, xte, yte)
         t_eval = time.perf_counter() - t_eval
         records = metrics_records(run.dir)
-        result = {
-            "arm": name, "readout": kind, "test_accuracy": acc, "train_wall_s": window.seconds, "eval_wall_s": t_eval,
-            "params": sum(p.numel() for p in model.parameters()),
-            "curve": [{"step": r["step"], "test_accuracy": r["test_accuracy"]} for r in records if "test_accuracy" in r],
-            "train_log": [r for r in records if "ce" in r],
-        }
+        result = {"arm": name, "readout": kind, "test_accuracy": acc, "train_wall_s": window.seconds,
+                  "eval_wall_s": t_eval, "params": sum(p.numel() for p in model.parameters()),
+                  "curve": [{"step": r["step"], "test_accuracy": r["test_accuracy"]} for r in records
+                            if "test_accuracy" in r], "train_log": [r for r in records if "ce" in r]}
         if kind == "ddcl":
             result.update(temperature=temperature, prototype_lr_ratio=ratio, distortion_to_tokens=to_tokens,
                           task_grad_to_prototypes=task_to_protos, mode=over.get("mode", "straight_through"),

@@ -54,7 +54,6 @@ def writable_dir(path: Path, what: str = "run.dir") -> Path:
 
 
 # ----------------------------------------------------------------------------- lock
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -141,7 +140,6 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------- resume
-
 def saved_config(state: Dict[str, Any], run_dir: Path) -> Optional[Config]:
     """The resolved config a checkpoint was trained with (old keys migrated as for its config.yaml);
     from RUN_DIR/config.yaml for a checkpoint that does not store it; None when neither exists."""
@@ -217,7 +215,6 @@ def note(text: str) -> None:
 
 
 # ----------------------------------------------------------------------------- which folder
-
 def run_dir_of_config(config_path: str | Path) -> Optional[Path]:
     """The run directory a config file belongs to: ``RUN_DIR`` when ``config_path`` is
     ``RUN_DIR/config.yaml`` next to the run's ``checkpoints/`` or ``metrics.jsonl``; else None."""

@@ -43,7 +43,6 @@ class Rules:
 
 
 # ----------------------------------------------------------------------------- keys
-
 def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
     """(dotted name, value) for every leaf setting of a dataclass instance (nested dataclasses walked)."""
     for f in dataclasses.fields(obj):
@@ -98,7 +97,6 @@ def did_you_mean(key: str, candidates: Sequence[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- values
-
 #: a float in YAML 1.2 and Python that PyYAML (YAML 1.1) reads as a string: 1e-3, 1e+9, 2E5, 1.0e3
 _FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 
@@ -231,7 +229,6 @@ def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Calla
 
 
 # ----------------------------------------------------------------------------- command-line options
-
 def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, flag: Optional[str] = None,
            metavar: Optional[str] = None, nargs: Any = None, sep: Optional[str] = None, positional: bool = False,
            hidden: bool = False, default_text: Optional[str] = None) -> Any:

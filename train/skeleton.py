@@ -40,7 +40,6 @@ from .errors import Stopped
 from .rundir import RunLock, check_run_dir_setting, first_missing, keep_logged_steps, remove_failed_start
 
 # ----------------------------------------------------------------------------- torchrun
-
 def setup_distributed(device_pref: str = "auto") -> Dict:
     """Initialise torch.distributed from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK),
     if present: NCCL on GPUs, gloo on CPUs. -> {"rank", "world", "device"}."""
@@ -84,7 +83,6 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 # ----------------------------------------------------------------------------- schedule and RNG
-
 def lr_schedule(steps: int, schedule: str = "cosine", warmup: int = 0, floor: float = 0.1) -> Callable[[int], float]:
     """The learning-rate factor at each step (for ``LambdaLR``): a linear warm-up over ``warmup`` steps,
     then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after)."""
@@ -112,7 +110,6 @@ def set_rng_state(state: Dict, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- signals
-
 class _Signals:
     """SIGTERM and SIGINT set a flag while the steps run (the step under way finishes); the handlers
     before are restored on exit, and a second signal gets them at once (Ctrl-C twice: stop now)."""
@@ -153,7 +150,6 @@ class _Signals:
 
 
 # ----------------------------------------------------------------------------- the run
-
 class TrainingRun:
     """One training in its run directory, from torchrun set-up and the lock to the last checkpoint.
 

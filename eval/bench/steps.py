@@ -41,9 +41,7 @@ def synchronized(step: Callable[[], None], device: torch.device) -> Callable[[],
 def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     """A closure that runs one forward + backward of ``name`` on the shared inputs (on their
     device; on CUDA the closure ends with a synchronisation)."""
-    n, d = inp.z.shape
-    k = inp.codebook.shape[0]
-    device = inp.z.device
+    (n, d), k, device = inp.z.shape, inp.codebook.shape[0], inp.z.device
     if name == "matmul6":
         z, w, gr = inp.z.detach(), inp.codebook, inp.grad
         q = torch.rand(n, k, device=device)

@@ -39,7 +39,6 @@ def _device(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- train
-
 TRAIN_HELP = """\
 Train an autoregressive transformer prior over the code maps in a token file (ddcl-vq tokenize),
 class-conditional when the tokens have labels. RUN_OR_EXPORT is the tokenizer that wrote them (its
@@ -110,7 +109,6 @@ def train_main(argv: Optional[List[str]] = None) -> int:
 
 
 # ----------------------------------------------------------------------------- sample
-
 @dataclass(kw_only=True)
 class SampleOptions:
     prior_dir: str = option(help="a prior directory written by ddcl-vq prior train", positional=True)
@@ -147,7 +145,6 @@ def sample_main(argv: Optional[List[str]] = None) -> int:
 
 
 # ----------------------------------------------------------------------------- evaluate
-
 @dataclass(kw_only=True)
 class EvaluateOptions:
     prior_dir: str = option(help="a prior directory written by ddcl-vq prior train", positional=True)
@@ -190,7 +187,6 @@ def evaluate_main(argv: Optional[List[str]] = None) -> int:
 
 
 # ----------------------------------------------------------------------------- dispatch
-
 def _study_main(argv):
     from .study import main as study_main
     return study_main(argv)

@@ -68,11 +68,9 @@ def fmt(x, spec=".3f"):
 
 
 def report(results: Dict) -> str:
-    cfg = results["config"]
-    meta = results["meta"]
+    cfg, meta = results["config"], results["meta"]
     lines = ["# Readout study: DDCL readout vs mean pooling vs class token", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             f"Machine: {meta['machine']}", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ", f"Machine: {meta['machine']}", "",
              f"Fashion-MNIST, {cfg['patch']}x{cfg['patch']} patches ({results['num_tokens']} tokens), transformer "
              f"dim {cfg['dim']}, {cfg['layers']} layers, {cfg['heads']} heads; every arm: {cfg['steps']} steps, "
              f"batch {cfg['batch_size']}, Adam lr {cfg['lr']:g} (warmup + cosine), seed {cfg['seed']}, "

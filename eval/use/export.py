@@ -52,10 +52,8 @@ OPTIONS = Options(ExportOptions, prog="ddcl-vq export", description=HELP)
 
 
 def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
-    q = config["quantizer_kwargs"]
-    qtype = config["quantizer_type"]
-    source = config.get("source", {})
-    data = config.get("data", {})
+    q, qtype = config["quantizer_kwargs"], config["quantizer_type"]
+    source, data = config.get("source", {}), config.get("data", {})
     lines = ["---", "library_name: ddcl-vq", "tags:", "- vq-vae", "- image-tokenizer", "- ddcl",
              "- pytorch_model_hub_mixin", "---", "",
              f"# {source.get('name', out_dir.name)}: a VQ-VAE image tokenizer ({qtype} quantizer)", "",
@@ -73,8 +71,7 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
               "images = torch.rand(4, %s, %s, %s)  # in [0, 1]" % (
                   data.get("channels", 1), data.get("image_size", 32), data.get("image_size", 32)),
               "indices = model.encode_indices(images)  # (B, h, w) code indices: what a prior learns",
-              "recon = model.decode_indices(indices)  # decoded from the hard codes",
-              "```", "",
+              "recon = model.decode_indices(indices)  # decoded from the hard codes", "```", "",
               "Files: `config.json` (constructor arguments; `quantizer_state` is informative, the state itself "
               "is in the weights), `model.safetensors` (weights and quantizer buffers, no pickle)."]
     peer = {"vqp": "VectorQuantize", "fsq": "FSQ", "simvq": "SimVQ", "lfq": "LFQ"}.get(qtype)
