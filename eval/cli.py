@@ -60,8 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in commands:
         print(f"ddcl-vq: unknown command {name!r}; expected one of: {', '.join(commands)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(commands[name][0])
-    code = int(module.main(rest) or 0)
+    code = int(importlib.import_module(commands[name][0]).main(rest) or 0)
     if code == 0:  # a command run under torchrun: after success only (a barrier after a failure could hang)
         from ddcl_vq.train.skeleton import teardown_distributed
         teardown_distributed()

@@ -61,7 +61,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
     cfg = load_config(run_dir / "config.yaml", overrides, migrate=True)
     if overrides:
         check_overrides(run_dir, load_config(run_dir / "config.yaml", migrate=True), cfg)
-    found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu") if (run_dir / "checkpoints").is_dir() else None
+    found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu")
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
                             f"{str(run_dir / 'checkpoints' / 'last.pt')!r}); train it first")

@@ -29,13 +29,10 @@ def current_checkpoint(run_dir: Path) -> Optional[Tuple[int, Path]]:
     is none or none is readable (evaluate_run then says why)."""
     from ddcl_vq.train.checkpoint import CheckpointError, latest_checkpoint
     try:
-        found = latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
+        found = latest_checkpoint(run_dir / "checkpoints")  # None when there is none (no folder either)
     except CheckpointError:
         return None
-    if found is None:
-        return None
-    state, path = found
-    return int(state["step"]), path
+    return None if found is None else (int(found[0]["step"]), found[1])
 
 
 def read_eval(path: Path) -> Optional[Dict]:

@@ -44,13 +44,9 @@ def nearest_codes(vectors: Tensor, codebook: Tensor, rows: int = 4096) -> tuple[
     """(N, D), (K, D) -> (indices (N,), squared distance to the nearest code (N,)), in row blocks."""
     center = codebook.mean(0)
     w = codebook - center
-    idx, dist = [], []
-    for start in range(0, vectors.shape[0], rows):
-        d = squared_distances(vectors[start:start + rows] - center, w)
-        m = d.min(1)
-        idx.append(m.indices)
-        dist.append(m.values)
-    return torch.cat(idx), torch.cat(dist)
+    mins = [squared_distances(vectors[start:start + rows] - center, w).min(1)
+            for start in range(0, vectors.shape[0], rows)]
+    return torch.cat([m.indices for m in mins]), torch.cat([m.values for m in mins])
 
 
 def lloyd_step(codebook: Tensor, vectors: Tensor) -> Tensor:
@@ -171,9 +167,8 @@ def markdown(rows: Sequence[Dict]) -> str:
         dup_flips = "—" if r["duplicate_token_flips"] is None else f"{100 * r['duplicate_token_flips']:.1f}%"
         lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
                      f"{_num(r['psnr_unquantized'], '.2f')} | {_num(r['gap_db'], '.2f')} | "
-                     f"{_num(r['relative_distortion'], '.2%')} | "
-                     f"{100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | {r['duplicate_codes']} | "
-                     f"{100 * r['duplicate_token_share']:.1f}% ({dup_flips}) |")
+                     f"{_num(r['relative_distortion'], '.2%')} | {100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | "
+                     f"{r['duplicate_codes']} | {100 * r['duplicate_token_share']:.1f}% ({dup_flips}) |")
     return "\n".join(lines)
 
 

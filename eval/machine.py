@@ -2,6 +2,7 @@
 study) takes its machine information from."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -11,12 +12,10 @@ from typing import Dict, List, Optional
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else what platform reports."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 

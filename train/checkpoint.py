@@ -1,6 +1,7 @@
 """Atomic checkpoints: write to a temporary file, fsync, rename; load with weights_only=True."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -63,10 +64,8 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
                                    "disk space (or raise the file-size limit) and run the same command again: it "
                                    "resumes from the last checkpoint") from err
     finally:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
@@ -135,9 +134,7 @@ def _image_channels(target: Any, state: Dict[str, Any]) -> Optional[Tuple[int, i
     if not isinstance(saved, torch.Tensor) or saved.ndim != 4:
         return None
     a, b = tuple(saved.shape), tuple(own[first].shape)
-    if a[1] != b[1] and a[:1] + a[2:] == b[:1] + b[2:]:
-        return a[1], b[1]
-    return None
+    return (a[1], b[1]) if a[1] != b[1] and a[:1] + a[2:] == b[:1] + b[2:] else None
 
 
 def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:

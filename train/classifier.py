@@ -51,8 +51,7 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     bar.close()
     model.eval()
     x_test, y_test = dataset_tensors(test_set)
-    pred = predict(model, x_test, device=device)
-    accuracy = float((pred == y_test).float().mean())
+    accuracy = float((predict(model, x_test, device=device) == y_test).float().mean())
     return model, {"classes": classes, "channels": image_channels(data_cfg), "test_accuracy": accuracy,
                    "test_images": len(y_test)}
 

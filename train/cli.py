@@ -50,8 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # a run directory's own config.yaml (next to its checkpoints) is read as evaluate reads it:
     # keys of older versions migrated, so that an old run continues as it was trained
     from .rundir import follow_run_dir, note, run_dir_of_config
-    in_run_dir = run_dir_of_config(opts.config) is not None
-    cfg = load_config(opts.config, opts.overrides, migrate=in_run_dir)
+    cfg = load_config(opts.config, opts.overrides, migrate=run_dir_of_config(opts.config) is not None)
     # RUN_DIR/config.yaml trains RUN_DIR, also after cp -a or mv (its saved run.dir is stale then)
     moved = follow_run_dir(cfg, opts.config, opts.overrides)
     if moved and os.environ.get("RANK", "0") == "0":

@@ -380,12 +380,9 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Opti
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, migrate: bool = False) -> Config:
     """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
     (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
-    raw: Dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        raw = read_yaml(path, "config file")
-        if migrate:
-            raw = migrate_renamed(raw)
+    raw: Dict[str, Any] = read_yaml(Path(path), "config file") if path is not None else {}
+    if migrate and path is not None:
+        raw = migrate_renamed(raw)
     return Config.from_dict(apply_overrides(raw, overrides), saved=migrate)
 
 

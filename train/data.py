@@ -198,15 +198,12 @@ def open_image(path: str):
             lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
             if not np.isfinite(values).all():
                 raise UnfaithfulImage(f"{mode} image with non-finite values; cannot map it to [0, 1]")
-            if mode == "I" and lo >= 0 and hi <= 65535:
-                values = values / 65535.0
-            elif mode == "F" and lo >= 0 and hi <= 1:
-                pass
-            else:
+            if not (lo >= 0 and hi <= (65535 if mode == "I" else 1)):
                 scale = "32-bit integer" if mode == "I" else "floating-point"
                 expected = "0..65535 (16 bits)" if mode == "I" else "[0, 1]"
                 raise UnfaithfulImage(f"{scale} image (mode {mode}) with values {lo:g}..{hi:g}, expected "
                                       f"{expected}; its scale would be a guess (save it as 8- or 16-bit)")
+            values = values / 65535.0 if mode == "I" else values
         elif mode.startswith("I;16"):
             raise UnfaithfulImage(f"image mode {mode} (signed or packed 16-bit) has no known [0, 1] scale; save it "
                                   "as unsigned 8- or 16-bit")

@@ -93,7 +93,5 @@ def init_from_export(model: nn.Module, source: str) -> None:
         detail = "; ".join(diffs[:6]) if diffs else f"tensors {', '.join(misfit[:3])} differ"
         raise ConfigError(f"{where}: the exported model has another shape than this config's model ({detail}); "
                           "give the config the exported model's sizes")
-    for key in NEW_RUN_STATE:
-        if key in own:
-            state[key] = own[key]
+    state.update({key: own[key] for key in NEW_RUN_STATE if key in own})
     model.load_state_dict(state)

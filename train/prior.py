@@ -94,10 +94,9 @@ def check_resume(state: Dict, cfg: PriorConfig, data_meta: Dict, prior_dir: Path
         refused.append(f"the training tokens ({cfg.data.train_tokens!r} holds other codes than the file it was "
                        "trained on)")
     if refused:
-        raise RunDirError(f"prior directory {str(prior_dir)!r} holds a prior trained {step} steps with another "
-                          f"config; resuming it would mix the two ({'; '.join(refused)}). Only these may change on "
-                          f"resume: {', '.join(RESUMABLE)}. For a new prior give another run.dir, or delete "
-                          f"{str(prior_dir)!r}")
+        raise RunDirError(f"prior directory {str(prior_dir)!r} holds a prior trained {step} steps with another config; "
+                          f"resuming it would mix the two ({'; '.join(refused)}). Only these may change on resume: "
+                          f"{', '.join(RESUMABLE)}. For a new prior give another run.dir, or delete {str(prior_dir)!r}")
     return notes
 
 

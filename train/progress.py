@@ -67,8 +67,7 @@ class Progress:
 
     def line(self) -> str:
         elapsed = time.time() - self.t_start
-        done = self.n - self.start_n
-        rate = done / elapsed if elapsed > 0 else 0.0
+        rate = (self.n - self.start_n) / elapsed if elapsed > 0 else 0.0
         parts = [f"{self.desc}: {self.unit} {self.n}/{self.total}"]
         if self.total:
             parts[0] += f" ({self.n / self.total:.0%})"
@@ -82,8 +81,7 @@ class Progress:
 
     def write_line(self) -> None:
         self.last_line = self.n
-        stream = sys.stderr if self.stream is None else self.stream
-        print(self.line(), file=stream, flush=True)
+        print(self.line(), file=sys.stderr if self.stream is None else self.stream, flush=True)
 
     def write(self, text: str) -> None:
         """A line of output on stdout that leaves the bar whole (tqdm.write on a terminal)."""

@@ -19,7 +19,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from .config import Config, differences, load_config, migrate_renamed
 from .errors import UserError, one_line
@@ -162,9 +162,7 @@ def _fmt(value: Any) -> str:
 def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) -> List[str]:
     """Refuse (RunDirError) to resume a run trained with ``saved`` under ``cfg`` when they differ in
     anything but :data:`RESUMABLE` keys; -> notes about allowed changes worth knowing."""
-    refused: List[Tuple[str, Any, Any]] = []
-    notes: List[str] = []
-    fewer = None
+    refused, notes, fewer = [], [], None  # changes refused (key, old, new); notes; a train.steps below the steps done
     for key, old, new in differences(saved, cfg):
         if key not in RESUMABLE or (key == "data.root" and cfg.data.name == "image_folder"):
             refused.append((key, old, new))
@@ -205,9 +203,7 @@ def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str
         return None
     if summary.get("eval_images", cfg.train.eval_images) != cfg.train.eval_images:
         return None  # asked for another evaluation
-    if cfg.train.eval_images > 0 and summary.get("hard") is None:
-        return None
-    return summary
+    return None if cfg.train.eval_images > 0 and summary.get("hard") is None else summary
 
 
 def note(text: str) -> None:

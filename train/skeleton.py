@@ -197,8 +197,7 @@ class TrainingRun:
     # -- checkpoints
     def latest(self) -> Optional[Tuple[Dict, Path]]:
         """The newest readable checkpoint (state, path), or None."""
-        ckpt = self.dir / "checkpoints"
-        return latest_checkpoint(ckpt, map_location=self.device) if ckpt.is_dir() else None
+        return latest_checkpoint(self.dir / "checkpoints", map_location=self.device)
 
     def keep(self, **parts: Any) -> None:
         """What every checkpoint holds, by name: objects with ``state_dict``/``load_state_dict`` (the model,

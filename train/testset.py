@@ -3,7 +3,7 @@ dataset-level codebook usage. Distributed-aware: each process takes a disjoint s
 the images, sums are all-reduced, so the result equals a single-process pass."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -82,8 +82,7 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
     count = float(sums[4])
     if count != n:  # pragma: no cover - guards the sharding arithmetic
         raise RuntimeError(f"evaluation covered {count:.0f} images, expected {n}")
-    hard_metrics = {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count}
-    soft_metrics: Optional[Dict] = ({"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count}
-                                    if has_soft else None)
-    return {"num_images": int(count), "hard": hard_metrics, "soft": soft_metrics, "usage": usage.compute()}
+    return {"num_images": int(count), "hard": {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count},
+            "soft": {"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count} if has_soft else None,
+            "usage": usage.compute()}
 

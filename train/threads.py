@@ -95,8 +95,7 @@ def auto_threads(env: Optional[Mapping[str, str]] = None, cores: Optional[int] =
     logical = len(usable_cpus())
     busy = busy_cpus() if busy == -1.0 else busy
     if busy is None:
-        n = max(1, min(AUTO_MAX, cores // 2))
-        return n, f"half the {cores} cores (their load cannot be read here)"
+        return max(1, min(AUTO_MAX, cores // 2)), f"half the {cores} cores (their load cannot be read here)"
     others = min(cores, round(busy * cores / max(logical, 1)))  # busy logical CPUs, in physical cores
     n = max(1, min(AUTO_MAX, cores - others))
     if others == 0:

@@ -119,8 +119,7 @@ def read_yaml(path: Path, what: str) -> Any:
     try:
         size = path.stat().st_size
         if size > MAX_BYTES:
-            raise ConfigError(f"{what} {str(path)!r} is {size:,} bytes, more than the {MAX_BYTES:,} a config may "
-                              "have")
+            raise ConfigError(f"{what} {str(path)!r} is {size:,} bytes, more than the {MAX_BYTES:,} a config may have")
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)  # a file that grew since stat, or a FIFO: still bounded
         text = data.decode("utf-8")

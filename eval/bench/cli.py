@@ -56,11 +56,10 @@ class BenchOptions:
 
 OPTIONS = Options(
     BenchOptions, prog="ddcl-vq bench",
-    description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, "
-                "chunked paths; straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch "
-                "VectorQuantize (defaults) and the six-matmul floor, plus one default VQ-VAE training step "
-                "and one VQGAN-recipe training step (generator + discriminator) with DDCL vs HardVQ. Prints a "
-                "table; --json writes the rows.",
+    description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, chunked paths; "
+                "straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch VectorQuantize (defaults) "
+                "and the six-matmul floor, plus one default VQ-VAE training step and one VQGAN-recipe training step "
+                "(generator + discriminator) with DDCL vs HardVQ. Prints a table; --json writes the rows.",
     epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
            "in memory or in --max-seconds is skipped and listed with the reason.\n"
            "Example: ddcl-vq bench --quick --json bench.json",

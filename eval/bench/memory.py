@@ -1,6 +1,7 @@
 """Peak-memory probes of the bench: in-process (VmHWM reset per probe) or in a fresh process."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -9,13 +10,11 @@ import sys
 from typing import Optional, Tuple
 
 def _status_kb(field: str) -> Optional[int]:
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
-    except OSError:
-        return None
     return None
 
 
@@ -35,12 +34,9 @@ class RssProbe:
     """
 
     def __init__(self):
-        self._libc = None
-        try:
+        self._libc, self.base_kb = None, 0
+        with contextlib.suppress(OSError):
             self._libc = ctypes.CDLL("libc.so.6")
-        except OSError:
-            pass
-        self.base_kb = 0
 
     @staticmethod
     def available() -> bool:
@@ -91,13 +87,11 @@ def available_memory_bytes(device: str = "cpu") -> int:
     if device != "cpu":
         import torch
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return 8 << 30
 
 

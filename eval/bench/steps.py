@@ -46,8 +46,7 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         z, w, gr = inp.z.detach(), inp.codebook, inp.grad
         q = torch.rand(n, k, device=device)
         p = torch.zeros(n, k, device=device)   # touched now: no page faults inside the timed run
-        out_nd = torch.zeros(n, d, device=device)
-        out_kd = torch.zeros(k, d, device=device)
+        out_nd, out_kd = torch.zeros(n, d, device=device), torch.zeros(k, d, device=device)
 
         def step():
             torch.mm(z, w.t(), out=p)          # forward: logits
@@ -160,13 +159,11 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
             state["step"] += 1
         return synchronized(step, torch.device(device))
 
-    steps = {label: make(*v) for label, v in models.items()}
-    times, cpu = paired_times(steps, repeats, warmup)
+    times, cpu = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
     n = batch * 8 * 8
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
-        q = models[label][1].quantizer
-        impl = assignment_path(q, n)
+        impl = assignment_path(models[label][1].quantizer, n)
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
                         **ratios_vs_hardvq(label, times, cpu)))

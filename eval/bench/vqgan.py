@@ -91,12 +91,10 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
             state["step"] += 1
         return synchronized(step, torch.device(device))
 
-    steps = {label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}
-    times, cpu = paired_times(steps, repeats, warmup)
+    times, cpu = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)
     rows = []
     for label, overrides in VQGAN_ARMS:
-        cfg, model = setups[label][:2]
-        gan = setups[label][4]
+        cfg, model, _, _, gan = setups[label][:5]
         rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model.latent_dim,
                          K=cfg.quantizer.num_codes, peak_mb=None, batch=batch, input_shape=list(x.shape),
                          runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]),

@@ -137,8 +137,7 @@ def tokenizer_info(source: str | Path) -> Dict[str, Any]:
                 "latent": cfg.data.image_size // 2 ** cfg.model.num_downsamples}
     if (source / "config.json").is_file():
         try:
-            config = json.loads((source / "config.json").read_text())
-            d = config.get("data") or {}
+            d = json.loads((source / "config.json").read_text()).get("data") or {}
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PriorDataError(f"cannot read the exported model's config {str(source / 'config.json')!r}: "
                                  f"{err}") from None

@@ -40,9 +40,8 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     result: Dict = {"prior": str(prior_dir), "step": meta["step"], "num_codes": model.num_codes,
                     "grid": [model.height, model.width], "num_classes": model.num_classes,
                     "tokenizer": cfg.data.tokenizer, "uniform_bits_per_token": math.log2(model.num_codes)}
-    files = list(test_tokens) if test_tokens else list(cfg.data.test_tokens)
     nll, first_test = [], None
-    for path in files:
+    for path in test_tokens or cfg.data.test_tokens:
         tokens = load_tokens(path, model.num_codes, "test token file")
         if model.num_classes and tokens.labels is None:
             raise ClassifierUnavailable(f"test token file {path!r} has no labels; this prior is class-conditional")
@@ -109,8 +108,7 @@ def format_eval(result: Dict) -> str:
                  f"{s['seconds']:.1f} s, {s['tokens_per_second']:.0f} tokens/s, {s['codes_used']} codes used")
     fd = result.get("frechet")
     if fd:
-        lines.append("Fréchet distance in classifier features (NOT Inception FID): samples "
-                     f"{fd['samples_vs_real']:.3f}"
+        lines.append(f"Fréchet distance in classifier features (NOT Inception FID): samples {fd['samples_vs_real']:.3f}"
                      + (f", tokenizer reconstructions {fd['reconstructions_vs_real']:.3f}"
                         if "reconstructions_vs_real" in fd else "") + f" (vs {fd['num_real']} real test images)")
     elif result.get("frechet_unavailable"):

@@ -102,7 +102,6 @@ def _size(n: float) -> str:
         if n < 1000 or unit == "PB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} PB"  # pragma: no cover
 
 
 def time_sampling(model: CodePrior, count: int = 64, use_cache: bool = True, repeats: int = 1,

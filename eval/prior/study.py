@@ -184,8 +184,7 @@ def run_prior_study(path: str | Path, quick: bool = False, out: Optional[str | P
     started = time.time()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     say(f"tokenizers: {len(study.arms)} run(s) -> {study.out}")
-    result = run_study(study, train_arms=not report_only, progress=progress)
-    by_name = {row["name"]: row for row in result["rows"]}
+    by_name = {row["name"]: row for row in run_study(study, train_arms=not report_only, progress=progress)["rows"]}
     runs: List[Dict] = []
     left_out: List[str] = []
     for arm in study.arms:

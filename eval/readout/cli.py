@@ -134,8 +134,7 @@ def _run(args, argv: List[str], out: Path, show: bool) -> int:
     models = {}
     for name in args.arms:
         res, model = train_arm(name, args, train_data, test_data, out, show)
-        results["arms"][name] = res
-        models[name] = model
+        results["arms"][name], models[name] = res, model
         u = res.get("usage")
         extra = (f", utilization {u['utilization']:.0%}, perplexity {u['perplexity']:.1f}, identity max "
                  f"{res['identity_max']:.1e}" if u else "")

@@ -16,11 +16,8 @@ from ddcl_vq.train.readout import to_float, train_compressor
 @torch.no_grad()
 def features(model: PatchTransformer, tokens_u8: Tensor, batch: int = 1000) -> Tensor:
     model.eval()
-    outs = []
-    for i in range(0, len(tokens_u8), batch):
-        h = model.tokens(to_float(tokens_u8[i:i + batch]))
-        outs.append(h[:, 1:] if model.cls is not None else h)
-    return torch.cat(outs)
+    outs = [model.tokens(to_float(tokens_u8[i:i + batch])) for i in range(0, len(tokens_u8), batch)]
+    return torch.cat([h[:, 1:] if model.cls is not None else h for h in outs])  # without the class token
 
 
 @torch.no_grad()

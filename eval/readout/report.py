@@ -111,8 +111,7 @@ def report(results: Dict) -> str:
         for s in comp["stages"]:
             lines.append(f"| {s['stage']} | {s['window']} | {s['num_prototypes']} | {s['ratio']:.2f} | "
                          f"{s['cumulative_ratio']:.2f} | {s['stage_error']:.3f} | {s['cumulative_error']:.3f} | "
-                         f"{s['window_mean_cumulative_error']:.3f} | {s['utilization']:.0%} | "
-                         f"{s['perplexity']:.1f} |")
+                         f"{s['window_mean_cumulative_error']:.3f} | {s['utilization']:.0%} | {s['perplexity']:.1f} |")
         lines.append("")
     lines += ["Codebook usage definitions:", "", "```", USAGE_DEFINITIONS, "```", ""]
     lines += [f"Plots: {', '.join(results['plots'])}", f"Total wall time: {meta['total_wall_s']:.0f} s", ""]

@@ -34,9 +34,7 @@ def mean_sd(values: Sequence[Optional[float]]) -> Tuple[Optional[float], Optiona
     vals = [float(v) for v in values if v is not None]
     if not vals:
         return None, None, 0
-    if len(vals) == 1:
-        return vals[0], None, 1
-    return statistics.fmean(vals), statistics.stdev(vals), len(vals)
+    return (vals[0], None, 1) if len(vals) == 1 else (statistics.fmean(vals), statistics.stdev(vals), len(vals))
 
 
 def aggregate(rows: Sequence[Dict]) -> List[Dict]:

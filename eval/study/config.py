@@ -68,6 +68,7 @@ QUICK_OVERRIDES = ["model.channels=16", "model.res_hidden=8", "model.num_res_blo
                    "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",
                    "train.checkpoint_every=4", "train.image_every=4", "train.eval_images=0", "loss.disc_start=2"]
 QUICK_EVAL = {"max_images": 64, "grid_images": 4}
+SWEEP_SHORT = {"num_codes": "k", "codebook_lr_ratio": "rho", "temperature": "tau"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -170,12 +171,6 @@ def _as_overrides(spec: Any, where: str) -> List[str]:
         return list(spec)
     raise ConfigError(f"{where}: expected a list of 'dotted.key=value' strings or a mapping of dotted keys, "
                       f"got {spec!r}")
-
-
-def _sweep_suffix(key: str, value: Any) -> str:
-    leaf = key.split(".")[-1]
-    short = {"num_codes": "k", "codebook_lr_ratio": "rho", "temperature": "tau"}.get(leaf, leaf)
-    return f"{short}{value}"
 
 
 def read_study_file(path: Path) -> StudyFile:
@@ -292,8 +287,7 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
     sweep = spec.sweep
     combos = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())] if sweep else [{}]
     parts = _parts(spec, path)
-    arms: List[Arm] = []
-    seen = set()
+    arms, seen = [], set()
     specs = [(arm, _as_overrides(arm.overrides, f"study {path.name}: arm {arm.name!r}")) for arm in spec.arms]
     if seed_list is not None:
         for arm, arm_overrides in specs:
@@ -303,7 +297,8 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
     # parts vary slowest, then sweep values, then seeds: every arm at the first value with the first
     # seed trains first (list the headline value first)
     for part, combo in itertools.product(parts or [None], combos):
-        suffix = [_sweep_suffix(k, v) for k, v in combo.items()]
+        leaves = [k.split(".")[-1] for k in combo]  # a run name's suffix per sweep value: _k1024, _rho3, _tau0.1
+        suffix = [f"{SWEEP_SHORT.get(leaf, leaf)}{v}" for leaf, v in zip(leaves, combo.values())]
         prefix = [] if part is None else [part.name]
         groups = {arm.name: "_".join(prefix + [arm.name] + suffix) for arm, _ in specs}
         arm_seeds = [s for arm, _ in specs for s in (arm.seeds or [])] if seeds is None else []

@@ -62,9 +62,8 @@ def heldout_eval(arm: Arm, part: Part, study: Study) -> Dict:
         return found
     result = evaluate_run(run_dir, ev.split, ev.max_images, ev.batch_size, overrides=part.eval_overrides,
                           write=False, made_by="study",
-                          command=f"ddcl-vq study (held-out evaluation of {run_dir}: --split {ev.split} "
-                                  f"--max-images {ev.max_images} --batch-size {ev.batch_size} "
-                                  f"{' '.join(part.eval_overrides)})")
+                          command=f"ddcl-vq study (held-out evaluation of {run_dir}: --split {ev.split} --max-images "
+                                  f"{ev.max_images} --batch-size {ev.batch_size} {' '.join(part.eval_overrides)})")
     write_eval(run_dir, result, path)
     return result
 
@@ -188,8 +187,7 @@ def run_parts(study: Study, train_arms: bool = True, progress: bool = True, verb
     if failed or unfinished:
         head += ["**Not in the tables:**", ""] + [f"- {n}: failed — {why}" for n, why in failed.items()]
         head += [f"- {n}: not finished" for n in unfinished] + [""]
-    summary = "\n".join(head + lines)
-    (study.out / "report.md").write_text(summary + "\n")
+    (study.out / "report.md").write_text("\n".join(head + lines) + "\n")
     (study.out / "study.json").write_text(json.dumps(
         {"study": study.name, "config": str(study.path), "command": command, "date_start": date_start,
          "date_end": date_end, "arms": [a.name for a in study.arms], "failed": failed, "unfinished": unfinished,

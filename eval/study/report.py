@@ -122,9 +122,8 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
               f"for this invocation; finished arms are not retrained); {trained}",
               f"- Machine at start: {info['machine_start']}", f"- Machine at end: {info['machine_end']}",
               f"- Shared budget (every arm): {budget}",
-              f"- Evaluation: {ev.split} split, "
-              f"{'all' if not ev.max_images else 'first ' + str(ev.max_images)} images, hard codes "
-              "(soft codes too for DDCL)",
+              f"- Evaluation: {ev.split} split, {'all' if not ev.max_images else 'first ' + str(ev.max_images)} "
+              "images, hard codes (soft codes too for DDCL)",
               (f"- Arms: {len(study.arms)} declared, {len(rows)} in the table" if study.seeds is None else
                f"- Runs: {len(study.arms)} (arms × sweep points × seeds), {len(rows)} in the per-seed table; "
                f"{len(dict.fromkeys(a.group for a in study.arms))} arms × sweep points")

@@ -23,12 +23,9 @@ class StudyError(UserError, RuntimeError):
 
 def checkpoint_step(run_dir: Path) -> Optional[int]:
     from ddcl_vq.train.checkpoint import CheckpointError, load_checkpoint
-    path = run_dir / "checkpoints" / "last.pt"
-    if not path.is_file():
-        return None
     try:
-        return int(load_checkpoint(path)["step"])
-    except CheckpointError:
+        return int(load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"])
+    except CheckpointError:  # none there, or unreadable
         return None
 
 

@@ -113,10 +113,9 @@ def decode_indices(model, indices: np.ndarray, batch_size: int = EVAL_BATCH_SIZE
     latent grid or ``shape``) -> (N, C, H, W) float images from the hard codes, clamped to [0, 1]."""
     indices = as_maps(np.asarray(indices), model.latent_shape() if hasattr(model, "latent_shape") else None, shape)
     indices = check_indices(indices, model.quantizer.num_codes)
-    out = []
-    for i in range(0, len(indices), batch_size):
-        chunk = torch.from_numpy(indices[i:i + batch_size].astype(np.int64)).to(device)
-        out.append(model.decode_indices(chunk).float().clamp(0, 1).cpu())
+    chunks = (torch.from_numpy(indices[i:i + batch_size].astype(np.int64)).to(device)
+              for i in range(0, len(indices), batch_size))
+    out = [model.decode_indices(chunk).float().clamp(0, 1).cpu() for chunk in chunks]
     return torch.cat(out) if out else torch.empty(0)
 
 
@@ -147,10 +146,9 @@ def decode_file(model_source: str | Path, tokens: str | Path, out: str | Path, s
     check_metadata(metadata, model, tokens)
     grid = model.latent_shape()
     indices = check_indices(as_maps(indices, grid, tuple(shape) if shape else None), model.quantizer.num_codes)
-    note = None
-    if grid is not None and tuple(indices.shape[1:]) != tuple(grid):
-        note = (f"the maps are {indices.shape[1]}x{indices.shape[2]} codes, the model was trained on "
-                f"{grid[0]}x{grid[1]}: decoding them anyway (a convolutional decoder takes any grid)")
+    note = (f"the maps are {indices.shape[1]}x{indices.shape[2]} codes, the model was trained on {grid[0]}x{grid[1]}: "
+            "decoding them anyway (a convolutional decoder takes any grid)"
+            if grid is not None and tuple(indices.shape[1:]) != tuple(grid) else None)
     stop = len(indices) if not count else min(start + count, len(indices))
     if start >= len(indices):
         raise TokenFileError(f"--start {start} is past the {len(indices)} index maps in {str(tokens)!r}")

@@ -42,8 +42,7 @@ def to_vqmodel(model):
     and its hard codebook; eval mode."""
     from diffusers import VQModel
     from ddcl_vq.models.vqgan import diffusers_config, diffusers_state_dict
-    config = diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes)
-    vq = VQModel(**config)
+    vq = VQModel(**diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes))
     vq.load_state_dict(diffusers_state_dict(model), strict=True)
     return vq.eval()
 
@@ -145,8 +144,7 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
         check = {"max_abs_diff": diff, "index_agreement": agreement, "checked_images": int(x.shape[0]),
                  "tolerance": DECODE_ATOL}
         source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}
-        config = json.loads((staging / "config.json").read_text())
-        (staging / "README.md").write_text(model_card(config, source, check))
+        (staging / "README.md").write_text(model_card(json.loads((staging / "config.json").read_text()), source, check))
         move_into_place(staging, out_dir, FILES)  # 0644 files (diffusers writes its weights 0600)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -155,9 +155,9 @@ def tokenize_run(run_dir: str | Path, split: str, out: str | Path, batch_size: i
                 "checkpoint": Path(ckpt).name if ckpt else source["kind"], "dataset": cfg.data.name, "split": split,
                 "image_size": cfg.data.image_size, "shape": list(indices.shape)}
     written = write_tokens(out, indices, labels, metadata)
-    used = int(np.unique(indices).size)
     return {"files": [str(p) for p in written], "shape": list(indices.shape), "dtype": str(indices.dtype),
-            "num_codes": k, "codes_used": used, "labels": labels is not None, "seconds": seconds, "step": step}
+            "num_codes": k, "codes_used": int(np.unique(indices).size), "labels": labels is not None,
+            "seconds": seconds, "step": step}
 
 
 @entry_point("ddcl-vq tokenize")
