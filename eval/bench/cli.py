@@ -116,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     meta = machine_info()
     rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
-                     e2e_repeats=11 if quick else 21, e2e_warmup=2, e2e_reference=not quick, vqgan=not args.no_vqgan,
+                     e2e_repeats=31 if quick else 41, e2e_warmup=10, e2e_reference=not quick, vqgan=not args.no_vqgan,
                      vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
                      device=device, **plan)
     prior_rows, prior_text = [], ""
