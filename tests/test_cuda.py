@@ -100,11 +100,12 @@ def test_fused_chunked_reference_agree_on_cuda(mode, dtype, budget, block_counts
 @pytest.mark.parametrize("codebook_only", [False, True])
 def test_assign_on_cuda_matches_cpu_and_never_uses_the_worker_pool(codebook_only, monkeypatch):
     from ddcl_vq import cpu_pool
-    monkeypatch.setattr(cpu_pool, "_pool", lambda size: pytest.fail("the CPU worker pool ran for CUDA tensors"))
     torch.manual_seed(0)
     z, w, up = torch.randn(5000, 8, dtype=torch.float64), torch.randn(300, 8, dtype=torch.float64), torch.randn(5000, 8)
     results = []
     for device in ("cpu", "cuda"):
+        if device == "cuda":  # the CPU runs may use the pool; from here on it must not run
+            monkeypatch.setattr(cpu_pool, "_pool", lambda size: pytest.fail("the CPU worker pool ran for CUDA tensors"))
         for impl in ("reference", "fused", "chunked"):
             zz = z.to(device).requires_grad_(True)
             ww = w.to(device).requires_grad_(True)
