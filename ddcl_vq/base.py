@@ -86,7 +86,14 @@ def unflatten(x: Tensor, last_shape: Tuple[int, ...], channel_dim: int) -> Tenso
     if x.dim() == 1:
         return x.reshape(last_shape[:-1])
     x = x.reshape(last_shape)
-    return rearrange(x, "b ... d -> b d ...") if channel_dim == 1 else x
+    if channel_dim != 1:
+        return x
+    x = rearrange(x, "b ... d -> b d ...")
+    # On a GPU the channel-first result is made contiguous: left channels_last-strided, torch.compile's
+    # backward of a decoder whose last convolution has one output channel fails inductor's stride check
+    # on CUDA (cuDNN picks another layout than the meta kernel predicts; pytorch/pytorch#171622 and
+    # #197517; seen with torch 2.11 on an H200, docs/performance.md). On the CPU the view stays as it is.
+    return x if x.device.type == "cpu" else x.contiguous()
 
 
 def batch_perplexity(indices: Tensor, num_codes: int) -> Tensor:
