@@ -240,6 +240,23 @@ def test_quick_study_end_to_end(tmp_path):
     assert (out / "runs" / "hard" / "checkpoints" / "last.pt").stat().st_mtime == mtime
 
 
+def test_quick_study_whose_arm_has_its_own_seeds_reports_them(tmp_path):
+    """The file's seeds [0], one arm's [0, 1] (as configs/study_large_k.yaml does): the report sorts and
+    names every run's seed (it raised "1 is not in list" once the second seed had finished)."""
+    study = tmp_path / "study_seeds.yaml"
+    study.write_text(yaml.safe_dump({
+        "name": "own_seeds", "base": {"data": {"name": "fashion_mnist"}, "quantizer": {"num_codes": 16}},
+        "eval": {"max_images": 100}, "seeds": [0],
+        "arms": [{"name": "ddcl", "overrides": {"quantizer.type": "ddcl"}, "seeds": [0, 1]},
+                 {"name": "hard", "overrides": ["quantizer.type=hard"]}]}))
+    out = tmp_path / "report"
+    assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Mean ± sample sd over seeds 0, 1 " in report and "| ddcl_s1 |" in report
+    groups = {g["name"]: g["n"] for g in json.loads((out / "study.json").read_text())["groups"]}
+    assert groups == {"ddcl": 2, "hard": 1}
+
+
 def _study_file(path: Path, name: str, arms, data=None) -> Path:
     path.write_text(yaml.safe_dump({
         "name": name, "base": {"data": data or {"name": "fashion_mnist"}, "quantizer": {"num_codes": 16}},

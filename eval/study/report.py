@@ -8,6 +8,11 @@ from typing import Dict, List, Optional, Sequence
 from .config import Study
 
 
+def run_seeds(study: Study) -> List[int]:
+    """The seeds the study's runs use: the file's list, or more where arms give their own."""
+    return sorted({a.seed for a in study.arms if a.seed is not None})
+
+
 def _psnr(r: Dict) -> str:
     """'23.31 dB', or with seeds '23.31 ± 0.12 dB (n = 3)'."""
     if "n" not in r:
@@ -105,7 +110,7 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
               f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "
               f"downsamplings, D = {b.model.latent_dim}; {b.train.steps} steps, lr {b.train.lr:g} "
               f"({b.train.lr_schedule}), "
-              + (f"seed {b.run.seed}" if study.seeds is None else f"seeds {', '.join(map(str, study.seeds))}"))
+              + (f"seed {b.run.seed}" if study.seeds is None else f"seeds {', '.join(map(str, run_seeds(study)))}"))
     ev = study.eval
     stamps = sorted(Path(r["run"], "checkpoints", "last.pt").stat().st_mtime for r in rows
                     if Path(r["run"], "checkpoints", "last.pt").is_file())
@@ -140,7 +145,7 @@ def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Option
     if groups is None:
         lines += ["## Results", "", markdown_table(rows)]
     else:
-        lines += ["## Results", "", f"Mean ± sample sd over seeds {', '.join(map(str, study.seeds))} "
+        lines += ["## Results", "", f"Mean ± sample sd over seeds {', '.join(map(str, run_seeds(study)))} "
                   "(n = the seeds that finished; per-seed table below):", "", mean_sd_table(groups)]
     lines += ["", "Computed from the table:", ""] + headline(table)
     if any(a.vs for a in study.arms):

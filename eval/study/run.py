@@ -291,7 +291,7 @@ def compare_seeds(study: Study, finished: List[Arm], command: Optional[str]) -> 
     for row, arm in zip(rows, finished):
         row["group"], row["seed"] = arm.group, arm.seed
     order = {g: i for i, g in enumerate(dict.fromkeys(a.group for a in study.arms))}  # arm x sweep point order
-    ranked = sorted(range(len(rows)), key=lambda i: (order[finished[i].group], study.seeds.index(finished[i].seed)))
+    ranked = sorted(range(len(rows)), key=lambda i: (order[finished[i].group], finished[i].seed))  # arms may have own seeds
     rows, evals, finished = [rows[i] for i in ranked], [evals[i] for i in ranked], [finished[i] for i in ranked]
     groups = aggregate(rows)
     write_seed_tables(study.out, groups, rows, evals, ev.split, ev.max_images, command)
