@@ -148,7 +148,13 @@ class MStepCodebook:
         broadcast_(seeds)
         self.weight.data[starved] = seeds
         self.cluster_mass[starved] = threshold
-        self.cluster_usage[starved] = threshold
+        # A re-seeded code is a fresh code: its usage starts, as every code's does, at its uniform
+        # share N/K, so it has ~33 batches (0.9^33 = 0.03) to win a vector before it can be
+        # re-seeded. Started at the threshold it was re-seeded again by the next batch it did not
+        # win, which is most batches once codes outnumber a batch's vectors: at K = 65,536 and
+        # N = 2,048 that churned 42,600 codes a step, drawn with repeats from 2,048 vectors
+        # (docs/results.md, "Large codebooks").
+        self.cluster_usage[starved] = (batch_vectors / self.num_codes).to(self.cluster_usage.dtype)
         self.cluster_sums[starved] = seeds * threshold
         self.revived += count
 

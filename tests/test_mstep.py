@@ -77,6 +77,26 @@ def test_a_starved_code_is_revived_where_the_distortion_is(criterion):
     assert quant.log_stats()["revived"] == float(quant.revived)
 
 
+def test_a_revived_code_starts_at_its_uniform_share_and_is_not_re_seeded_by_the_next_batch():
+    """Codes outnumber the batch (K = 512, N = 64): a re-seeded code starts at usage N/K, as every
+    code does, not at the threshold, so a batch it does not win does not re-seed it again."""
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(512, 4, channel_dim=-1, revive_threshold=0.03, warmup_steps=0).double()
+    z = batch(64)
+    quant(z)                                         # initialise: every code at usage N/K
+    with torch.no_grad():
+        quant.weight[3] = 1e3                        # far from every vector, with no use left
+        quant.cluster_sums[3] = quant.weight[3] * quant.cluster_mass[3]
+        quant.cluster_usage[3] = 1e-9
+    quant(z)
+    assert int(quant.revived) == 1
+    assert quant.cluster_usage[3].item() == pytest.approx(64 / 512)
+    near_code_0 = quant.codebook[0].detach().clone() + 1e-3 * torch.randn_like(z)   # a batch code 3 does not win
+    out = quant(near_code_0)
+    assert not bool((out.indices == 3).any())
+    assert int(quant.revived) == 1                   # at the threshold it would have been re-seeded here
+
+
 def test_usage_criterion_revives_a_code_that_wins_nothing_but_keeps_soft_mass():
     """The default criterion: a code behind its neighbours wins no vector (hard usage 0) while the
     softmax tails still give it soft mass above the threshold; by usage it is revived, by mass not."""
