@@ -177,6 +177,11 @@ class Quantizer(nn.Module):
     #: True when the hard index is the row of ``codebook`` nearest to the input (a re-fitted
     #: codebook can then be decoded the same way); False where a projection is rounded (FSQ, LFQ).
     assigns_nearest_code: bool = True
+    #: False lets a quantizer leave out, in training, the ``terms`` that cost extra work and that only
+    #: reports read (DDCL's M-step path: ``distortion`` and its split into ``ols`` and ``variance``, one
+    #: more N×K·K×D product and two N×K passes per batch, ~30% of its M-step's time); the training loop
+    #: sets it for the steps it logs only. Every term is computed in eval mode whatever it says.
+    report_terms: bool = True
 
     def soft_codes(self, z: Tensor) -> Optional[Tensor]:
         """Soft codes for ``z`` in the input layout, or None for a quantizer without them."""

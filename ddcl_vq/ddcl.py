@@ -350,14 +350,16 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         this batch's update (in training, then the update), and the mode's output from the codes the
         batch was assigned to. -> (out, loss, terms, indices, soft counts)."""
         w = self.weight.detach().to(dtype, copy=True)
-        stats = soft_statistics(x.detach(), w, scale, support=self.statistics_support)
+        split = self.report_terms or not self.training
+        stats = soft_statistics(x.detach(), w, scale, support=self.statistics_support, split=split)
         if self.training:
             self._update_statistics(x.detach(), stats, scale)
         if self.mode == "straight_through":
             out, loss, terms = self._straight_through(x, w, stats.indices)
         else:
             out, loss, terms = self._soft_output(w, self._assignment(x, w, False, scale))
-        terms.update(distortion=stats.distortion.detach(), ols=stats.ols.detach(), variance=stats.variance.detach())
+        if split:
+            terms.update(distortion=stats.distortion.detach(), ols=stats.ols.detach(), variance=stats.variance.detach())
         return out, loss, terms, stats.indices, stats.mass
 
     def _forward_gradient(self, x: Tensor, dtype: torch.dtype, scale: float):

@@ -69,7 +69,7 @@ def statistics_rows(num_codes: int, device: torch.device | str = "cpu", truncate
 
 @torch.no_grad()
 def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[int] = None,
-                    support: Optional[int] = None) -> SoftStatistics:
+                    support: Optional[int] = None, split: bool = True) -> SoftStatistics:
     """DDCL soft statistics of (N, D) ``z`` against a (K, D) ``codebook`` at softmax divisor ``scale``.
 
     Computed in blocks of ``rows`` vectors (default :func:`statistics_rows`: on the CPU ≈ 2**18 / K,
@@ -90,6 +90,10 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     and two more N×K×D matmuls, the truncated one a top-k and O(N·support·D) work, and at a
     temperature relative to the nearest-code distance the dropped codes' weights are
     exp(−gap / scale) with a gap many scales wide. The hard index and nearest distance stay exact.
+
+    ``split=False`` leaves out the loss terms (``distortion``, ``ols``, ``variance``: NaN then), which
+    the M-step does not read: the soft codes ẑ the split needs cost one more N×K·K×D product, about a
+    quarter of the dense path's time, and Σ q·d two more passes over the N×K block.
     """
     if not scale > 0:
         raise ValueError(f"expected a softmax scale > 0, got {scale!r}")
@@ -107,11 +111,11 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
     sums = torch.zeros_like(w)
     totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
     if n > 0:
-        # per block: one matmul for the distances, then (dense) one for Σ q z and one for ẑ, every
+        # per block: one matmul for the distances, then (dense) one for Σ q z and (split) one for ẑ, every
         # N×K pass (expansion, clamp, minimum, shift, softmax, q·d) in place on a cached block;
         # (truncated) a top-k of the block's distances and O(rows·support·D) work
         width = min(rows, n)
-        w_t = w.t()
+        w_t = (w * -2.0).t()   # the distance expansion's -2 in the product: the same bits (a power of two)
         w_norm = (w * w).sum(1)                       # as squared_distances computes ‖w‖²
         x_buf, soft_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1])
         d_buf = z.new_empty(width, k)
@@ -121,7 +125,7 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
             m = min(rows, n - start)
             x = torch.sub(z[start:start + m], center, out=x_buf[:m])
             # squared_distances(x, w) bit for bit: ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
-            d = torch.mm(x, w_t, out=d_buf[:m]).mul_(-2.0).add_((x * x).sum(1, keepdim=True))
+            d = torch.mm(x, w_t, out=d_buf[:m]).add_((x * x).sum(1, keepdim=True))
             d = d.add_(w_norm).clamp_min_(0.0)
             if truncated:
                 d_top, code = torch.topk(d, support, dim=1, largest=False, sorted=True)
@@ -131,10 +135,11 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
                 q = torch.softmax((dmin[:, None] - d_top) / scale, 1)           # (rows, support)
                 mass.index_add_(0, code.reshape(-1), q.reshape(-1))
                 sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
-                soft = torch.einsum("rs,rsd->rd", q, w[code])
-                totals[0] += (q * d_top).sum()
-                totals[1] += (x - soft).pow(2).sum()
-                totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
+                if split:
+                    totals[0] += (q * d_top).sum()
+                    soft = torch.einsum("rs,rsd->rd", q, w[code])
+                    totals[1] += (x - soft).pow(2).sum()
+                    totals[2] += ((q * w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
                 continue
             dmin, idx = first_min(d)
             indices[start:start + m] = idx
@@ -142,11 +147,14 @@ def soft_statistics(z: Tensor, codebook: Tensor, scale: float, rows: Optional[in
             q = softmax_into(torch.sub(dmin[:, None], d, out=l_buf[:m]).div_(scale), q_buf[:m])
             mass += q.sum(0)
             sums.addmm_(q.t(), x)
-            soft = torch.mm(q, w, out=soft_buf[:m])
-            totals[0] += torch.mul(q, d, out=l_buf[:m]).sum()
-            totals[1] += (x - soft).pow(2).sum()
-            totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
+            if split:
+                totals[0] += torch.mul(q, d, out=l_buf[:m]).sum()
+                soft = torch.mm(q, w, out=soft_buf[:m])
+                totals[1] += (x - soft).pow(2).sum()
+                totals[2] += (q @ w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
     totals /= max(n, 1)
     sums += mass[:, None] * center  # Σ_i q_ik (x_i + c) = Σ_i q_ik z_i
+    if not split:
+        totals[:] = float("nan")
     return SoftStatistics(indices=indices, nearest=nearest, mass=mass, sums=sums,
                           distortion=totals[0], ols=totals[1], variance=totals[2])

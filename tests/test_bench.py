@@ -1,7 +1,9 @@
 """The bench machinery on tiny shapes (no timing assertions: speed goals live in the bench)."""
 import json
+import statistics
 
 import pytest
+import torch
 
 from ddcl_vq.eval.bench.cli import main as bench_main
 from ddcl_vq.eval.bench.cost import IMPLS, plan_measurements
@@ -52,7 +54,18 @@ def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     rows = e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
     assert {r["impl"] for r in rows} == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
     assert all(r["ms"] > 0 and r["K"] == 512 and r["D"] == 64 for r in rows)
-    assert all(r["cpu_ms"] >= 0 and r["cpu_paired_ratio_vs_hardvq"] >= 0 for r in rows)
+    assert all(r["cpu_ms"] >= 0 and r["cpu_paired_ratio_vs_hardvq"] >= 0 and r["page_faults"] >= 0 for r in rows)
+
+
+def test_paired_times_count_the_page_faults_of_each_step():
+    """A step that touches 64 MB of fresh memory (above glibc's mmap threshold: new pages every call)
+    shows thousands of minor faults a call; a step that reuses its buffer shows none."""
+    from ddcl_vq.eval.bench.steps import paired_times, ratios_vs_hardvq
+    kept = torch.zeros(1 << 24)
+    steps = {"ddcl": lambda: kept.fill_(1.0), "hardvq": lambda: torch.ones(1 << 24).sum()}
+    times, cpu, faults = paired_times(steps, repeats=3, warmup=1)
+    assert min(faults["hardvq"]) > 4000 and max(faults["ddcl"]) < 100
+    assert ratios_vs_hardvq("hardvq", times, cpu, faults)["page_faults"] == int(statistics.median(faults["hardvq"]))
 
 
 def test_e2e_row_is_the_default_mstep_quantizer():

@@ -12,9 +12,10 @@ from ddcl_vq.base import squared_distances
 
 
 @torch.no_grad()
-def dense_statistics(z, codebook, scale, rows=None, support=None):
+def dense_statistics(z, codebook, scale, rows=None, support=None, split=True):
     """The M-step statistics as first written (blocks of ≈ 2**22 elements up to 4096 rows,
-    out-of-place passes; ``support``: the truncated path): the reference the faster code must equal."""
+    out-of-place passes; ``support``: the truncated path; ``split`` is ignored: every term is computed): the
+    reference the faster code must equal."""
     n, k = z.shape[0], codebook.shape[0]
     truncated = support is not None and support < k
     rows = rows or max(64, min(4096, (1 << 22) // max(k, 1)))
@@ -139,3 +140,39 @@ def test_quantizer_trajectory_is_unchanged(monkeypatch):
             torch.testing.assert_close(new[2][key], value, rtol=1e-5, atol=1e-5, msg=key)
         else:
             assert torch.equal(new[2][key], value), key
+
+
+@pytest.mark.parametrize("support", [None, 16])
+def test_statistics_without_the_split_are_the_same_statistics(support):
+    """split=False leaves out the terms (distortion, ols, variance: NaN) and changes nothing the M-step reads."""
+    z, w = features(700, 8, 600, seed=3)
+    scale = 0.1 * float(squared_distances(z, w).min(1).values.mean())
+    full, lean = soft_statistics(z, w, scale, support=support), soft_statistics(z, w, scale, support=support, split=False)
+    for name in ("indices", "nearest", "mass", "sums"):
+        assert torch.equal(getattr(lean, name), getattr(full, name)), name
+    assert all(getattr(lean, t).isnan() and getattr(full, t).isfinite() for t in ("distortion", "ols", "variance"))
+
+
+def test_a_quantizer_that_is_not_asked_for_the_split_trains_the_same_codebook():
+    """report_terms=False in training: only the commitment in ``terms``, the same indices and state step by
+    step; in eval mode every term is there whatever it says."""
+    runs = []
+    for report in (True, False):
+        torch.manual_seed(0)
+        quant = DDCLQuantizer(64, 8, channel_dim=-1)
+        quant.report_terms = report
+        g = torch.Generator().manual_seed(1)
+        outs = []
+        for step in range(12):
+            outs.append(quant(torch.randn(300, 8, generator=g) * (1 + 0.1 * step)))
+            quant.step()
+        runs.append((quant, outs))
+    (a, outs_a), (b, outs_b) = runs
+    for oa, ob in zip(outs_a, outs_b):
+        assert torch.equal(oa.indices, ob.indices) and torch.equal(oa.terms["commitment"], ob.terms["commitment"])
+        assert set(oa.terms) == {"commitment", "distortion", "ols", "variance"} and set(ob.terms) == {"commitment"}
+    for key, value in a.state_dict().items():
+        assert torch.equal(b.state_dict()[key], value), key
+    b.eval()
+    t = b(torch.randn(50, 8)).terms
+    torch.testing.assert_close(t["distortion"], t["ols"] + t["variance"])

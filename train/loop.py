@@ -193,6 +193,8 @@ def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.opt
     ``scaler``: :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
     forward = model if forward is None else forward
     scaler = torch.amp.GradScaler("cuda", enabled=False) if scaler is None else scaler
+    # the terms only the metrics line reads (DDCL's ols/variance split) on the steps it is written (RunLog)
+    model.quantizer.report_terms = (step + 1) % t.log_every == 0 or step + 1 == t.steps
     with autocast():
         try:
             out = forward(x)

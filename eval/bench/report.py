@@ -25,6 +25,7 @@ def format_table(rows: List[dict]) -> str:
                         f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds"
                         + (f"; CPU time {r['cpu_paired_ratio_vs_hardvq']:.2f}x" if "cpu_paired_ratio_vs_hardvq" in r
                            else "") + ")"
+                        + (f", {r['page_faults']} page faults a step" if r.get("page_faults") is not None else "")
                         + (f", path={r['path']}" if r.get("path") else ""))
         if r.get("input_shape"):  # the VQGAN-recipe step
             note.append(f"input {'x'.join(str(v) for v in r['input_shape'])}"

@@ -159,44 +159,62 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
             state["step"] += 1
         return synchronized(step, torch.device(device))
 
-    times, cpu = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
+    times, cpu, faults = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
     n = batch * 8 * 8
     out = []
     for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
         impl = assignment_path(models[label][1].quantizer, n)
         out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
                         batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
-                        **ratios_vs_hardvq(label, times, cpu)))
+                        **ratios_vs_hardvq(label, times, cpu, faults)))
     return out
 
 
-def paired_times(steps: Dict[str, Callable[[], None]], repeats: int,
-                 warmup: int) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread; 0 where getrusage is not available)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
+def paired_times(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int
+                 ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]], Dict[str, List[int]]]:
     """``warmup`` calls of each step, then ``repeats`` rounds of one call each, the order alternating between rounds
-    (who goes first); -> per label, the wall-clock seconds and the process CPU seconds of every timed call."""
+    (who goes first); -> per label, the wall-clock seconds, the process CPU seconds and the minor page faults of
+    every timed call. The faults show where time goes to the allocator: large temporaries that the C library hands
+    back to the system after each step come back as fresh pages, each zeroed by the kernel on first touch."""
     for s in steps.values():
         for _ in range(warmup):
             s()
     times: Dict[str, List[float]] = {label: [] for label in steps}
     cpu: Dict[str, List[float]] = {label: [] for label in steps}
+    faults: Dict[str, List[int]] = {label: [] for label in steps}
     for r in range(repeats):
         order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
         for label in order:
-            c0 = time.process_time()
+            c0, f0 = time.process_time(), minor_faults()
             times[label].append(time_once(steps[label]))
             cpu[label].append(time.process_time() - c0)
-    return times, cpu
+            faults[label].append(minor_faults() - f0)
+    return times, cpu, faults
 
 
-def ratios_vs_hardvq(label: str, times: Dict[str, List[float]], cpu: Dict[str, List[float]]) -> dict:
+def ratios_vs_hardvq(label: str, times: Dict[str, List[float]], cpu: Dict[str, List[float]],
+                     faults: Optional[Dict[str, List[int]]] = None) -> dict:
     """``label``'s median ms and its ratios to the ``hardvq`` step of the same rounds (wall clock and CPU
     time): the ratio of the medians, and the median of the per-round ratios (robust to a neighbour's
-    load changing between rounds: both steps of a round share it)."""
+    load changing between rounds: both steps of a round share it); with ``faults``, the median minor page
+    faults of one step."""
     med, ref = statistics.median(times[label]) * 1e3, statistics.median(times["hardvq"]) * 1e3
     paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
     cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
-    return dict(ms=round(med, 3), ratio_vs_hardvq=round(med / ref, 3), paired_ratio_vs_hardvq=round(paired, 3),
-                cpu_ms=round(statistics.median(cpu[label]) * 1e3, 3), cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3))
+    out = dict(ms=round(med, 3), ratio_vs_hardvq=round(med / ref, 3), paired_ratio_vs_hardvq=round(paired, 3),
+               cpu_ms=round(statistics.median(cpu[label]) * 1e3, 3), cpu_paired_ratio_vs_hardvq=round(cpu_paired, 3))
+    if faults is not None:
+        out["page_faults"] = int(statistics.median(faults[label]))
+    return out
 
 
 def skip_warmup(quantizer) -> None:

@@ -91,7 +91,7 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
             state["step"] += 1
         return synchronized(step, torch.device(device))
 
-    times, cpu = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)
+    times, cpu, faults = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)
     rows = []
     for label, overrides in VQGAN_ARMS:
         cfg, model, _, _, gan = setups[label][:5]
@@ -101,5 +101,5 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
                          source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
                          disc_on=bool(gan is not None and gan.disc_active(cfg.loss.disc_start)),
                          perceptual_net=cfg.loss.perceptual_net if cfg.loss.perceptual_weight > 0 else None,
-                         **ratios_vs_hardvq(label, times, cpu)))
+                         **ratios_vs_hardvq(label, times, cpu, faults)))
     return rows
