@@ -118,8 +118,9 @@ class MStepCodebook:
         """Re-seed codes whose EMA hard usage (or soft mass) is below the threshold (and, with
         ``revive_twins``, the later code of each pair within ``scale`` of each other) on batch
         vectors drawn with probability ∝ their distance to the nearest code (where the distortion
-        is). ``batch_vectors``: the (all-reduced, float64) batch size as a tensor; the one host sync
-        is the number of codes to re-seed."""
+        is), at most one code per batch vector (the most starved first). ``batch_vectors``: the
+        (all-reduced, float64) batch size as a tensor; the one host sync is the number of codes to
+        re-seed (with the batch size)."""
         # rounded to the buffers' dtype: what comparing with (and writing) a Python float does
         threshold = (self.revive_threshold * batch_vectors / self.num_codes).to(self.cluster_mass.dtype)
         measure = self.cluster_usage if self.revive_criterion == "usage" else self.cluster_mass
@@ -133,9 +134,20 @@ class MStepCodebook:
             twins = self._twins(scale, begin, begin + TWIN_ROWS)  # identical on every process (the codebook is)
             self.revived_twins += twins.sum()
             starved |= twins
-        count = int(starved.sum())
+        count, batch_total = (int(v) for v in torch.stack([starved.sum().to(batch_vectors.dtype),
+                                                           batch_vectors]).tolist())
         if count == 0:
             return
+        if count > batch_total:
+            # At most one code per batch vector, the most starved first (ties: the lower index): drawn with
+            # repeats, the codes seeded on one vector would be identical, share every update and never
+            # separate. At K = 65,536 and 262,144 with N = 2,048, the whole codebook fell below the
+            # threshold together ~33 batches in and was re-seeded on 2,048 points (docs/results.md,
+            # "Large codebooks"); the others wait for the next batches' vectors.
+            order = torch.argsort(torch.where(starved, measure, torch.full_like(measure, float("inf"))), stable=True)
+            starved = torch.zeros_like(starved)
+            starved[order[:batch_total]] = True
+            count = batch_total
         per_rank = -(-count // world_size())
         weights = nearest.clamp_min(0) + 1e-12
         pick = torch.multinomial(weights, per_rank, replacement=per_rank > x.shape[0])

@@ -406,3 +406,23 @@ def test_first_training_batch_never_holds_an_n_by_k_tensor(monkeypatch):
         (out.quantized.sum() + out.loss).backward()
     assert bool(quant.initialized) and float(quant.distance_scale) > 0
     assert probe.largest <= n * k * 4 // 2, probe.largest     # the M-step statistics' block: 512 rows × K
+
+
+def test_no_more_codes_are_re_seeded_in_a_batch_than_it_has_vectors_and_none_on_the_same_vector():
+    """K = 512 codes, N = 64 vectors, every code starved at once: 64 are re-seeded, the most starved
+    first, each on its own batch vector (drawn with repeats they would be identical codes for good);
+    the others keep their place and wait for later batches."""
+    torch.manual_seed(0)
+    quant = DDCLQuantizer(512, 4, channel_dim=-1, revive_threshold=0.03, warmup_steps=0).double()
+    z = batch(64)
+    quant(z)
+    with torch.no_grad():
+        quant.cluster_usage.fill_(1e-9)
+        quant.cluster_usage[:10] = 1e-12               # the most starved: re-seeded first
+    quant(z)
+    assert int(quant.revived) == 64
+    reseeded = quant.cluster_usage == quant.cluster_usage.max()   # re-seeded codes start at N/K
+    assert int(reseeded.sum()) == 64 and bool(reseeded[:10].all())
+    seeds = quant.weight.detach()[reseeded]
+    assert torch.unique(seeds, dim=0).shape[0] == 64                        # 64 distinct seeds ...
+    assert bool((torch.cdist(seeds, z).min(1).values < 1e-6).all())        # ... each a batch vector
