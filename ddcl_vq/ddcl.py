@@ -101,8 +101,9 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             batch vector drawn with probability ∝ its squared distance to its nearest code (k-means++
             seeding: where the distortion is); 0 turns revival off. A re-seeded code's usage starts
             at N/K, as every code's does, so it has ~33 batches to win a vector before it can be
-            re-seeded (what that changed at K > N: docs/results.md, "Large codebooks"). Counted in
-            the ``revived`` buffer.
+            re-seeded. A batch re-seeds at most one code per vector, the most starved first, each on a
+            different vector (what both changed at K > N: docs/results.md, "Large codebooks").
+            Counted in the ``revived`` buffer.
         revive_criterion: ``"usage"`` (default): the EMA of the code's hard counts — a code that
             stops winning vectors is re-seeded even while its soft mass, fed by the softmax tails of
             its neighbours' vectors, stays above the threshold; ``"mass"``: the EMA of its soft mass
