@@ -144,7 +144,7 @@ class MStepCodebook:
             # separate. At K = 65,536 and 262,144 with N = 2,048, the whole codebook fell below the
             # threshold together ~33 batches in and was re-seeded on 2,048 points (docs/results.md,
             # "Large codebooks"); the others wait for the next batches' vectors.
-            order = torch.argsort(torch.where(starved, measure, torch.full_like(measure, float("inf"))), stable=True)
+            order = torch.argsort(measure.masked_fill(~starved, float("inf")), stable=True)
             starved = torch.zeros_like(starved)
             starved[order[:batch_total]] = True
             count = batch_total

@@ -37,7 +37,7 @@ from .losses import GANStep
 from .memory import NotEnoughMemory, check_fits
 from .rundir import check_resume, finished_summary, note, saved_config
 from .settings import ConfigError
-from .skeleton import TrainingRun, setup_distributed, teardown_distributed, wrap_ddp  # noqa: F401 - the commands import them here
+from .skeleton import TrainingRun, is_due, setup_distributed, teardown_distributed, wrap_ddp  # noqa: F401 - the commands import them here
 from .testset import EVAL_BATCH_SIZE, reconstruction_pass
 
 
@@ -193,8 +193,8 @@ def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.opt
     ``scaler``: :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
     forward = model if forward is None else forward
     scaler = torch.amp.GradScaler("cuda", enabled=False) if scaler is None else scaler
-    # the terms only the metrics line reads (DDCL's ols/variance split) on the steps it is written (RunLog)
-    model.quantizer.report_terms = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+    # the terms only the metrics line reads (DDCL's distortion and its split) on the steps it is written (RunLog)
+    model.quantizer.report_terms = is_due(t.log_every, step + 1, t.steps)
     with autocast():
         try:
             out = forward(x)

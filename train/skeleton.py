@@ -150,6 +150,12 @@ class _Signals:
 
 
 # ----------------------------------------------------------------------------- the run
+def is_due(every: int, step: int, total_steps: int) -> bool:
+    """Whether something done every ``every`` steps is due after ``step`` of ``total_steps`` steps
+    (always at the last): :meth:`TrainingRun.due`, for code that has the config but not the run."""
+    return step % every == 0 or step == total_steps
+
+
 class TrainingRun:
     """One training in its run directory, from torchrun set-up and the lock to the last checkpoint.
 
@@ -246,7 +252,7 @@ class TrainingRun:
     # -- the steps
     def due(self, every: int, step: int) -> bool:
         """Whether something done every ``every`` steps is due after ``step`` steps (always at the last)."""
-        return step % every == 0 or step == self.total_steps
+        return is_due(every, step, self.total_steps)
 
     def steps(self, batches: Iterable, start: int) -> Iterator[Tuple[int, Any]]:
         """(steps done before this one, batch) until total_steps; checkpoints as configured; stop_after and
