@@ -18,7 +18,8 @@
 # Python: the repository's .venv when its torch sees a GPU; else the machine's python3 with its own
 # torch and packages (nothing is installed into it or downloaded: this checkout goes on PYTHONPATH
 # through a folder of links laid out as the installed package). Wheels in .whl/ go into that folder
-# when present (e.g. vector-quantize-pytorch for the `vqp` rows, lpips).
+# when present (e.g. vector-quantize-pytorch for the `vqp` rows, lpips, and diffusers, which
+# the bench test's VQGAN rows and step 4 need and the H200 image lacks).
 # Data: the training check needs Fashion-MNIST: /usr/share/datasets/fashion-mnist, $DDCL_VQ_FASHION_DIR,
 # or a folder .gpu_data/ in the checkout holding the four *-ubyte.gz files (copy them there and carry
 # it to a machine without internet).

@@ -107,8 +107,9 @@ def test_assign_on_cuda_matches_cpu_and_never_uses_the_worker_pool(codebook_only
         if device == "cuda":  # the CPU runs may use the pool; from here on it must not run
             monkeypatch.setattr(cpu_pool, "_pool", lambda size: pytest.fail("the CPU worker pool ran for CUDA tensors"))
         for impl in ("reference", "fused", "chunked"):
-            zz = z.to(device).requires_grad_(True)
-            ww = w.to(device).requires_grad_(True)
+            # copies: z.to("cpu") is z itself, and its .grad would accumulate over the implementations
+            zz = z.to(device, copy=True).requires_grad_(True)
+            ww = w.to(device, copy=True).requires_grad_(True)
             a = assign(zz, ww, 0.3, implementation=impl, codebook_only=codebook_only)
             ((a.soft * up.to(device, torch.float64)).sum() * (not codebook_only) + 2.0 * a.distortion).backward()
             results.append((a.soft, a.distortion, a.ols, a.variance, zz.grad, ww.grad, a.indices))
