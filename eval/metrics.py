@@ -197,31 +197,74 @@ class ImageMetricSums:
 
 
 # --------------------------------------------------------------------------- codebook geometry
+def _geometry_tile(device: torch.device, k: int) -> Tuple[int, int]:
+    """(rows, columns) of one tile of pairwise distances: on the CPU ~4 MiB of float32 (the tile's
+    elementwise passes stay in cache; at K = 262,144 whole rows were 64 MiB a block and memory-bound),
+    on a GPU whole rows, 256 MiB a block (few kernel launches)."""
+    if device.type == "cpu":
+        columns = min(k, 4096)
+        return max(1, 2 ** 20 // columns), columns
+    return max(1, 2 ** 26 // k), k
+
+
 @torch.no_grad()
 def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Optional[float]]:
     """Min and mean Euclidean distance between distinct codes, over all codes and over the
-    active ones (count > 0). Computed in float64, in row blocks (O(block·K) memory)."""
-    w = codebook.detach().double().cpu()
-    active = torch.tensor([c > 0 for c in counts], dtype=torch.bool)
-    if active.numel() != w.shape[0]:
-        raise ValueError(f"expected {w.shape[0]} usage counts, got {active.numel()}")
+    active ones (count > 0): one pass over tiles of the K×K distances on the codebook's device.
 
-    def stats(v: Tensor) -> Tuple[Optional[float], Optional[float]]:
-        k = v.shape[0]
-        if k < 2:
-            return None, None
-        total, lo = 0.0, math.inf
-        for start in range(0, k, 1024):
-            block = torch.cdist(v[start:start + 1024], v)  # (b, k)
-            rows = torch.arange(start, min(start + 1024, k))
-            block[torch.arange(len(rows)), rows] = math.inf  # exclude j == k
-            lo = min(lo, float(block.min()))
-            block[torch.arange(len(rows)), rows] = 0.0
-            total += float(block.sum())
-        return lo, total / (k * (k - 1))
+    The distances come from the float32 expansion ‖a‖² + ‖b‖² − 2a·b (a matrix product), summed per
+    tile in float32 and across tiles in float64; the minima are exact: every code whose float32
+    nearest distance lies within the expansion's rounding error of the smallest is compared with
+    all codes again in float64, directly.
+    """
+    w64 = codebook.detach().double()
+    k = w64.shape[0]
+    if len(counts) != k:
+        raise ValueError(f"expected {k} usage counts, got {len(counts)}")
+    device = w64.device
+    active = torch.tensor([c > 0 for c in counts], dtype=torch.bool, device=device)
+    n_active = int(active.sum())
+    if k < 2:
+        return {"min_code_distance": None, "mean_code_distance": None,
+                "min_active_code_distance": None, "mean_active_code_distance": None}
+    # the active codes first: "to an active code" is then the first n_active columns of every row
+    w64 = w64[torch.argsort((~active).to(torch.uint8), stable=True)]
+    w = w64.float()
+    sq = w.pow(2).sum(1)
+    nearest = torch.full((2, k), math.inf, device=device)  # squared float32: to any code / to an active code
+    sums = torch.zeros(2, k, dtype=torch.float64, device=device)  # each row's distances to all / active codes
+    tile_rows, tile_columns = _geometry_tile(device, k)
+    for r0 in range(0, k, tile_rows):
+        r1 = min(r0 + tile_rows, k)
+        for c0 in range(0, k, tile_columns):
+            c1 = min(c0 + tile_columns, k)
+            d2 = torch.addmm(sq[None, c0:c1], w[r0:r1], w[c0:c1].T, alpha=-2).add_(sq[r0:r1, None])
+            lo = max(r0, c0); hi = max(lo, min(r1, c1))  # the diagonal (j == k) within this tile
+            own = (torch.arange(lo - r0, hi - r0, device=device), torch.arange(lo - c0, hi - c0, device=device))
+            d2[own] = math.inf
+            torch.minimum(nearest[0, r0:r1], d2.min(1).values, out=nearest[0, r0:r1])
+            if c0 < n_active:
+                torch.minimum(nearest[1, r0:r1], d2[:, :n_active - c0].min(1).values, out=nearest[1, r0:r1])
+            d2[own] = 0.0
+            d = d2.clamp_min_(0).sqrt_()
+            sums[0, r0:r1] += d.sum(1)
+            if c0 < n_active:
+                sums[1, r0:r1] += d[:, :n_active - c0].sum(1)
+    nearest[1, n_active:] = math.inf
+    # the float32 expansion errs by a few ulps of ‖a‖² + ‖b‖²: rows within that of the smallest are redone
+    slack = 16 * torch.finfo(torch.float32).eps * float(sq.max())
 
-    lo_all, mean_all = stats(w)
-    lo_act, mean_act = stats(w[active])
-    return {"min_code_distance": lo_all, "mean_code_distance": mean_all,
-            "min_active_code_distance": lo_act, "mean_active_code_distance": mean_act}
+    def exact_min(which: int, columns: int) -> float:
+        candidates = torch.nonzero(nearest[which] <= nearest[which].min() + slack).flatten()
+        best = math.inf
+        for part in candidates.split(max(1, 2 ** 22 // columns)):
+            d2 = torch.cdist(w64[part], w64[:columns], compute_mode="donot_use_mm_for_euclid_dist").pow_(2)
+            d2[torch.arange(len(part), device=device), part] = math.inf  # j == k (part < columns)
+            best = min(best, float(d2.min()))
+        return math.sqrt(best)
+
+    pairs_active = n_active * (n_active - 1)
+    return {"min_code_distance": exact_min(0, k), "mean_code_distance": float(sums[0].sum()) / (k * (k - 1)),
+            "min_active_code_distance": exact_min(1, n_active) if n_active >= 2 else None,
+            "mean_active_code_distance": float(sums[1, :n_active].sum()) / pairs_active if n_active >= 2 else None}
 

@@ -126,6 +126,30 @@ def test_codebook_geometry():
     assert metrics.codebook_geometry(w, [1, 0, 0])["min_active_code_distance"] is None
 
 
+@pytest.mark.parametrize("tile", [(3, 5), (64, 4096), (1, 1)])
+def test_codebook_geometry_in_tiles_equals_all_pairs_in_float64(tile, monkeypatch):
+    monkeypatch.setattr(metrics, "_geometry_tile", lambda device, k: tile)
+    torch.manual_seed(0)
+    w = torch.randn(37, 6) * 5 + 20  # far from the origin: the float32 expansion loses digits there
+    w[9] = w[4]  # an exact twin: distance 0, which the expansion alone gives as ~1e-3
+    w[30] = w[21] + 1e-4
+    counts = [int(i % 3 != 0) for i in range(37)]  # codes 9 and 21 inactive, 4 and 30 active
+    g = metrics.codebook_geometry(w, counts)
+
+    def direct(v):
+        d = (v.double()[:, None] - v.double()[None]).pow(2).sum(-1).sqrt()
+        off = ~torch.eye(len(v), dtype=torch.bool)
+        return float(d[off].min()), float(d[off].mean())
+
+    lo, mean = direct(w)
+    active = torch.tensor(counts, dtype=torch.bool)
+    lo_act, mean_act = direct(w[active])
+    assert g["min_code_distance"] == 0.0 and lo == 0.0
+    assert g["min_active_code_distance"] == pytest.approx(lo_act, rel=1e-9)
+    assert g["mean_code_distance"] == pytest.approx(mean, rel=1e-5)
+    assert g["mean_active_code_distance"] == pytest.approx(mean_act, rel=1e-5)
+
+
 # --------------------------------------------------------------------------- evaluate
 
 def test_eval_json_is_consistent(tiny_runs):
