@@ -9,6 +9,13 @@ within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md); ``gap_db
 moves each code with vectors to their mean). The last four are left out for FSQ and LFQ, whose index rounds a projection
 rather than naming the nearest code (their decoder never sees the encoder's features as they are).
 
+Codebook use on the measured images: ``utilization_hard`` (the share of the K codes the hard tokens use), and for
+quantizers that assign the nearest code ``utilization_lloyd`` (of the re-fitted codebook) and ``utilization_sampled`` /
+``psnr_sampled`` (a codebook of K of the fit features drawn at random, seed 0, when there are at least K: codes that
+sit on the encoder's current features and nothing more — where a codebook placed only by re-seeding on data would be;
+with fewer than K images' features it is None). How close a codebook's use can come to 100% on a split depends on the
+split's size against K as much as on the codebook: this row says what an ideal placement reaches on the same images.
+
 How stable the tokens are (what a prior over them pays for, docs/prior.md): ``token_flips`` (under Gaussian pixel noise
 of sd ``--noise``, about 1.3/255 at the default; fixed seed; images clamped to [0, 1]), ``duplicate_codes`` (nearest
 other code closer than :data:`DUPLICATE_FRACTION` of the median squared nearest-other-code distance: one code in two
@@ -128,9 +135,11 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     flat = rearrange(z, "b d h w -> (b h w) d")
     dist = (flat - rearrange(hard, "b d h w -> (b h w) d")).pow(2).sum(1)
     variance = float((flat - flat.mean(0)).pow(2).sum(1).mean())
+    k = int(codebook.shape[0])
     out = {"run": str(run_dir), "step": step, "split": split, "data": measured.name, "num_images": len(x),
-           "num_codes": int(codebook.shape[0]), "psnr_hard": _psnr(model, x, hard, batch_size),
-           "psnr_unquantized": None, "relative_distortion": None, "gap_db": None}
+           "num_codes": k, "psnr_hard": _psnr(model, x, hard, batch_size),
+           "psnr_unquantized": None, "relative_distortion": None, "gap_db": None,
+           "utilization_hard": _utilization(tokens, k)}
     if quantizer.assigns_nearest_code:  # FSQ/LFQ: the decoder never sees z, only a projection of it
         out.update(psnr_unquantized=_psnr(model, x, z, batch_size),
                    relative_distortion=float(dist.mean()) / max(variance, 1e-12))
@@ -142,16 +151,33 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
     out.update(noise=noise, token_flips=float(flipped.double().mean()), duplicate_codes=int(duplicate.sum()),
                duplicate_token_share=float(duplicates.double().mean()),
                duplicate_token_flips=float(flipped[duplicates].double().mean()) if bool(duplicates.any()) else None)
-    if lloyd > 0 and quantizer.assigns_nearest_code:
+    if quantizer.assigns_nearest_code:
         fit = _features(model, _images(build_dataset(cfg.data, "train", seed=cfg.run.seed), fit_images), batch_size)
         fit_flat = rearrange(fit, "b d h w -> (b h w) d")
-        refit = codebook
-        for _ in range(lloyd):
-            refit = lloyd_step(refit, fit_flat)
-        b, _, h, w = z.shape  # the features decoded from the re-fitted codebook's nearest codes
-        refit_codes = rearrange(refit[nearest_codes(flat, refit)[0]], "(b h w) d -> b d h w", b=b, h=h, w=w)
-        out.update(lloyd_steps=lloyd, psnr_lloyd=_psnr(model, x, refit_codes, batch_size))
+        b, _, h, w = z.shape
+
+        def decoded(book: Tensor) -> tuple[float, float]:
+            # (PSNR, utilization) of the features decoded from ``book``'s nearest codes
+            idx = nearest_codes(flat, book)[0]
+            codes = rearrange(book[idx], "(b h w) d -> b d h w", b=b, h=h, w=w)
+            return _psnr(model, x, codes, batch_size), _utilization(idx, k)
+
+        out.update(psnr_sampled=None, utilization_sampled=None)
+        if fit_flat.shape[0] >= k:
+            drawn = torch.randperm(fit_flat.shape[0], generator=torch.Generator().manual_seed(0))[:k]
+            out["psnr_sampled"], out["utilization_sampled"] = decoded(fit_flat[drawn])
+        if lloyd > 0:
+            refit = codebook
+            for _ in range(lloyd):
+                refit = lloyd_step(refit, fit_flat)
+            psnr_lloyd, utilization_lloyd = decoded(refit)
+            out.update(lloyd_steps=lloyd, psnr_lloyd=psnr_lloyd, utilization_lloyd=utilization_lloyd)
     return out
+
+
+def _utilization(indices: Tensor, num_codes: int) -> float:
+    """Share of the ``num_codes`` codes that (N,) ``indices`` use."""
+    return float((torch.bincount(indices.flatten(), minlength=num_codes) > 0).double().mean())
 
 
 def _num(value: Optional[float], spec: str) -> str:
@@ -161,14 +187,18 @@ def _num(value: Optional[float], spec: str) -> str:
 def markdown(rows: Sequence[Dict]) -> str:
     lines = ["| run | K | PSNR hard (dB) | after Lloyd steps | decoder(z), unquantized | quantization gap (dB) "
              "| nearest-code distance / variance | tokens flipped by noise | near-duplicate codes "
-             "| their share of tokens (flipped) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| their share of tokens (flipped) | codes used: hard / after Lloyd / K features drawn (their PSNR) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lloyd = f"{r['psnr_lloyd']:.2f} ({r['lloyd_steps']})" if "psnr_lloyd" in r else "—"
         dup_flips = "—" if r["duplicate_token_flips"] is None else f"{100 * r['duplicate_token_flips']:.1f}%"
+        sampled = "—" if r.get("utilization_sampled") is None else \
+            f"{r['utilization_sampled']:.1%} ({r['psnr_sampled']:.2f} dB)"
         lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
                      f"{_num(r['psnr_unquantized'], '.2f')} | {_num(r['gap_db'], '.2f')} | "
                      f"{_num(r['relative_distortion'], '.2%')} | {100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | "
-                     f"{r['duplicate_codes']} | {100 * r['duplicate_token_share']:.1f}% ({dup_flips}) |")
+                     f"{r['duplicate_codes']} | {100 * r['duplicate_token_share']:.1f}% ({dup_flips}) | "
+                     f"{r['utilization_hard']:.1%} / {_num(r.get('utilization_lloyd'), '.1%')} / {sampled} |")
     return "\n".join(lines)
 
 
@@ -182,7 +212,10 @@ features' variance; and hard PSNR after --lloyd hard k-means steps of the codebo
 --fit-images training images' features (if these add nothing, the codebook sits where hard
 k-means would put it); how many tokens change under pixel noise of sd --noise, and the
 near-duplicate codes (nearest other code within 1% of the median spacing, squared) with their
-share of the tokens. Prints a markdown table, one row per run.
+share of the tokens; and the share of the K codes in use on those images: by the run's hard
+tokens, by the re-fitted codebook, and by a codebook of K training features drawn at random (what
+codes placed on the encoder's features reach on the same images: with few images per code no
+codebook uses all of them). Prints a markdown table, one row per run.
 
   ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
   ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json

@@ -66,13 +66,17 @@ def test_gap_figures_agree_with_the_evaluation_pass(runs, qtype):
     ref = reconstruction_pass(model, build_dataset(cfg.data, "test", seed=cfg.run.seed), max_images=300)
     assert row["num_images"] == 300 and row["num_codes"] == model.quantizer.num_codes
     assert row["psnr_hard"] == pytest.approx(ref["hard"]["psnr"], abs=1e-3)  # the quantizer's own hard codes
+    assert row["utilization_hard"] == pytest.approx(ref["usage"].utilization)
     if qtype == "fsq":   # its index rounds a projection: no nearest-code refit, no unquantized decode
         assert not model.quantizer.assigns_nearest_code and "psnr_lloyd" not in row
         assert row["psnr_unquantized"] is row["gap_db"] is row["relative_distortion"] is None
     else:
         assert row["gap_db"] == pytest.approx(row["psnr_unquantized"] - row["psnr_hard"])
         assert 0 < row["relative_distortion"] < float("inf")
-        assert row["lloyd_steps"] == 2 and "psnr_lloyd" in row
+        assert row["lloyd_steps"] == 2 and "psnr_lloyd" in row and 0 < row["utilization_lloyd"] <= 1
+        # 300 images' features hold K = 32 codes many times over: the drawn codebook exists and is used
+        assert 0 < row["utilization_sampled"] <= 1 and row["psnr_sampled"] > 5
+
 
 
 def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
