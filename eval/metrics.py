@@ -242,9 +242,9 @@ def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Opti
             lo = max(r0, c0); hi = max(lo, min(r1, c1))  # the diagonal (j == k) within this tile
             own = (torch.arange(lo - r0, hi - r0, device=device), torch.arange(lo - c0, hi - c0, device=device))
             d2[own] = math.inf
-            torch.minimum(nearest[0, r0:r1], d2.min(1).values, out=nearest[0, r0:r1])
+            torch.minimum(nearest[0, r0:r1], d2.amin(1), out=nearest[0, r0:r1])
             if c0 < n_active:
-                torch.minimum(nearest[1, r0:r1], d2[:, :n_active - c0].min(1).values, out=nearest[1, r0:r1])
+                torch.minimum(nearest[1, r0:r1], d2[:, :n_active - c0].amin(1), out=nearest[1, r0:r1])
             d2[own] = 0.0
             d = d2.clamp_min_(0).sqrt_()
             sums[0, r0:r1] += d.sum(1)
@@ -255,12 +255,15 @@ def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Opti
     slack = 16 * torch.finfo(torch.float32).eps * float(sq.max())
 
     def exact_min(which: int, columns: int) -> float:
+        # candidate rows, their float32 distances again, and in float64 only the pairs within the slack
         candidates = torch.nonzero(nearest[which] <= nearest[which].min() + slack).flatten()
         best = math.inf
         for part in candidates.split(max(1, 2 ** 22 // columns)):
-            d2 = torch.cdist(w64[part], w64[:columns], compute_mode="donot_use_mm_for_euclid_dist").pow_(2)
+            d2 = torch.addmm(sq[None, :columns], w[part], w[:columns].T, alpha=-2).add_(sq[part, None])
             d2[torch.arange(len(part), device=device), part] = math.inf  # j == k (part < columns)
-            best = min(best, float(d2.min()))
+            rows, cols = torch.nonzero(d2 <= d2.amin(1, keepdim=True) + slack, as_tuple=True)
+            exact = (w64[part[rows]] - w64[cols]).pow(2).sum(1)
+            best = min(best, float(exact.min()))
         return math.sqrt(best)
 
     pairs_active = n_active * (n_active - 1)
