@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ddcl_vq.eval.evaluate import load_run
+from ddcl_vq.eval.gap import _features, _images
 from ddcl_vq.train.data import build_dataset
 
 
@@ -38,10 +39,7 @@ def main() -> None:
         raise SystemExit(f"dead_codes: expected a DDCL run, got quantizer.type={cfg.quantizer.type!r}")
     counts = torch.tensor(json.loads((run / "eval.json").read_text())["usage_counts"])
     dead = counts == 0
-    ds = build_dataset(cfg.data, "test")
-    with torch.no_grad():
-        images = torch.stack([ds[i][0] for i in range(min(args.images, len(ds)))])
-        z = model.encoder(images)
+    z = _features(model, _images(build_dataset(cfg.data, "test"), args.images), 250)
     features = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
     n = args.batch_vectors or cfg.data.batch_size * z.shape[2] * z.shape[3]
     share = n / q.num_codes

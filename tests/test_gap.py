@@ -78,7 +78,6 @@ def test_gap_figures_agree_with_the_evaluation_pass(runs, qtype):
         assert 0 < row["utilization_sampled"] <= 1 and row["psnr_sampled"] > 5
 
 
-
 def test_gap_cli_prints_a_table_and_writes_json(runs, tmp_path, capsys):
     out = tmp_path / "gap.json"
     assert main([str(runs["ddcl"]), str(runs["hard"]), "--images", "100", "--lloyd", "0", "--json", str(out)]) == 0
