@@ -12,6 +12,7 @@ from ddcl_vq import CodebookUsage
 from ddcl_vq.train.builders import build_model, build_optimizer
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import EpochBatches, build_dataset
+from ddcl_vq.train.skeleton import teardown_distributed
 from conftest import TINY_MODEL
 
 TINY = TINY_MODEL + ["quantizer.num_codes=64", "data.batch_size=32"]
@@ -46,7 +47,7 @@ def main(out_dir: str, steps: int) -> None:
         stats = usage.compute()
         torch.save({"state": model.state_dict(), "counts": torch.tensor(stats.counts)},
                    out / f"{qtype}_rank{rank}.pt")
-    dist.destroy_process_group()
+    teardown_distributed()  # a barrier first: a rank leaving while the other still talks can abort it
 
 
 if __name__ == "__main__":

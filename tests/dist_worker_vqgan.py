@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.losses import GANStep
+from ddcl_vq.train.skeleton import teardown_distributed
 
 
 def main(out_dir: str, tiny: str) -> None:
@@ -27,7 +28,7 @@ def main(out_dir: str, tiny: str) -> None:
     dist.barrier()
     from ddcl_vq.train.loop import train
     train(load_config(None, overrides + ["train.steps=2", f"run.dir={out / 'run'}"]), quiet=True)
-    dist.destroy_process_group()
+    teardown_distributed()  # a barrier first: a rank leaving while the other still talks can abort it
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddcl_vq.train.builders import build_model, build_optimizer
 from ddcl_vq.train.config import load_config
 from ddcl_vq.train.data import EpochBatches, build_dataset
+from ddcl_vq.train.skeleton import teardown_distributed
 from conftest import TINY_MODEL
 
 TINY = TINY_MODEL + ["data.batch_size=32"]
@@ -40,7 +41,7 @@ def main(out_dir: str, steps: int) -> None:
             loss.backward()
             opt.step()
         torch.save({"state": model.state_dict()}, Path(out_dir) / f"{qtype}_rank{rank}.pt")
-    dist.destroy_process_group()
+    teardown_distributed()  # a barrier first: a rank leaving while the other still talks can abort it
 
 
 if __name__ == "__main__":
