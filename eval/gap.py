@@ -38,6 +38,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ddcl_vq.base import squared_distances
+from ddcl_vq.usage import CodebookUsage
 from ddcl_vq.blocks import nearest_other_code
 from ddcl_vq.train.data import SPLITS
 from ddcl_vq.train.errors import entry_point
@@ -176,8 +177,10 @@ def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 
 
 
 def _utilization(indices: Tensor, num_codes: int) -> float:
-    """Share of the ``num_codes`` codes that (N,) ``indices`` use."""
-    return float((torch.bincount(indices.flatten(), minlength=num_codes) > 0).double().mean())
+    """Share of the ``num_codes`` codes that ``indices`` (any shape) use: the evaluation's definition."""
+    usage = CodebookUsage(num_codes)
+    usage.update(indices)
+    return usage.compute().utilization
 
 
 def _num(value: Optional[float], spec: str) -> str:

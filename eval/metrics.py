@@ -239,7 +239,8 @@ def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Opti
         for c0 in range(0, k, tile_columns):
             c1 = min(c0 + tile_columns, k)
             d2 = torch.addmm(sq[None, c0:c1], w[r0:r1], w[c0:c1].T, alpha=-2).add_(sq[r0:r1, None])
-            lo = max(r0, c0); hi = max(lo, min(r1, c1))  # the diagonal (j == k) within this tile
+            lo = max(r0, c0)  # the diagonal (j == k) within this tile: [lo, hi)
+            hi = max(lo, min(r1, c1))
             own = (torch.arange(lo - r0, hi - r0, device=device), torch.arange(lo - c0, hi - c0, device=device))
             d2[own] = math.inf
             torch.minimum(nearest[0, r0:r1], d2.amin(1), out=nearest[0, r0:r1])
