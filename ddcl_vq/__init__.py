@@ -23,12 +23,6 @@ Modules, each importing only those below it:
                              usage statistics, torch.distributed helpers
     blocks                   block policy, exact first minimum/maximum, blocked nearest code
 """
-# A development checkout installs ddcl_vq strictly editable (scripts/setup.sh): a tree of links that
-# also holds ddcl_vq.models/train/eval. Run from the repository root, this folder comes first on
-# sys.path; extend_path adds the link tree's ddcl_vq after it so those subpackages still import.
-# Installed from a wheel, or copied into another code base, it adds nothing.
-__path__ = __import__("pkgutil").extend_path(__path__, __name__)
-
 from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapter, swap_quantizer
 from .arguments import (CODEBOOK_INITS, CODEBOOK_UPDATES, DDCL_CHOICES, ENCODER_GRADIENTS, IMPLEMENTATIONS, MODES,
                         REVIVE_CRITERIA, TEMPERATURE_REFERENCES, TEMPERATURE_SCHEDULES)

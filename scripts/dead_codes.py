@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ddcl_vq.eval.evaluate import load_run
-from ddcl_vq.eval.gap import _features, _images
-from ddcl_vq.train.data import build_dataset
+from ddcl_vq.tokenizer.evaluate import load_run
+from ddcl_vq.tokenizer.gap import _features, _images
+from ddcl_vq.common.data import build_dataset
 
 
 def main() -> None:

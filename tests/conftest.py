@@ -6,7 +6,7 @@ Test modules import the constants (``from conftest import TINY``; pytest puts th
 """
 import pytest
 
-from ddcl_vq.train.config import load_config
+from ddcl_vq.tokenizer.config import load_config
 
 #: the tiny VQ-VAE (16 channels, one residual block, D = 8): every fast training test's model
 TINY_MODEL = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8"]

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.losses import GANStep
-from ddcl_vq.train.skeleton import teardown_distributed
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.tokenizer.losses import GANStep
+from ddcl_vq.common.skeleton import teardown_distributed
 
 
 def main(out_dir: str, tiny: str) -> None:
@@ -26,7 +26,7 @@ def main(out_dir: str, tiny: str) -> None:
         gan.discriminator_step(x, fake, step)
     torch.save(gan.state_dict()["discriminator"], out / f"disc_rank{rank}.pt")
     dist.barrier()
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer.train import train
     train(load_config(None, overrides + ["train.steps=2", f"run.dir={out / 'run'}"]), quiet=True)
     teardown_distributed()  # a barrier first: a rank leaving while the other still talks can abort it
 

@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ddcl_vq.train.builders import build_model, build_optimizer
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import EpochBatches, build_dataset
-from ddcl_vq.train.skeleton import teardown_distributed
+from ddcl_vq.tokenizer.builders import build_model, build_optimizer
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import EpochBatches, build_dataset
+from ddcl_vq.common.skeleton import teardown_distributed
 from conftest import TINY_MODEL
 
 TINY = TINY_MODEL + ["data.batch_size=32"]

@@ -49,7 +49,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def fashion():
     """256 real Fashion-MNIST training images, [0, 1], padded to (256, 1, 32, 32)."""
-    from ddcl_vq.train.data import fashion_mnist_arrays
+    from ddcl_vq.common.data import fashion_mnist_arrays
 
     images, _ = fashion_mnist_arrays("train", download=False)
     x = torch.from_numpy(images[:256].copy()).float().div(255.0).unsqueeze(1)

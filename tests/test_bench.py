@@ -5,11 +5,11 @@ import statistics
 import pytest
 import torch
 
-from ddcl_vq.eval.bench.cli import main as bench_main
-from ddcl_vq.eval.bench.cost import IMPLS, plan_measurements
-from ddcl_vq.eval.bench.report import format_table
-from ddcl_vq.eval.bench.run import run_bench
-from ddcl_vq.eval.bench.steps import e2e_rows
+from ddcl_vq.studies.bench.cli import main as bench_main
+from ddcl_vq.studies.bench.cost import IMPLS, plan_measurements
+from ddcl_vq.studies.bench.report import format_table
+from ddcl_vq.studies.bench.run import run_bench
+from ddcl_vq.studies.bench.steps import e2e_rows
 
 
 def test_run_bench_tiny_shapes_every_impl():
@@ -60,7 +60,7 @@ def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
 def test_paired_times_count_the_page_faults_of_each_step():
     """A step that touches 64 MB of fresh memory (above glibc's mmap threshold: new pages every call)
     shows thousands of minor faults a call; a step that reuses its buffer shows none."""
-    from ddcl_vq.eval.bench.steps import paired_times, ratios_vs_hardvq
+    from ddcl_vq.studies.bench.steps import paired_times, ratios_vs_hardvq
     kept = torch.zeros(1 << 24)
     steps = {"ddcl": lambda: kept.fill_(1.0), "hardvq": lambda: torch.ones(1 << 24).sum()}
     times, cpu, faults = paired_times(steps, repeats=3, warmup=1)
@@ -86,8 +86,8 @@ def test_help_explains_options(capsys):
 
 
 def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
-    from ddcl_vq.eval.bench.steps import CONFIGS_DIR, e2e_models
-    from ddcl_vq.train.settings import ConfigError
+    from ddcl_vq.studies.bench.steps import CONFIGS_DIR, e2e_models
+    from ddcl_vq.common.settings import ConfigError
     models, source, fallback = e2e_models()
     assert fallback is None and "configs/fashion_ddcl.yaml" in source and set(models) == {"ddcl", "hardvq"}
     stand_ins, source, fallback = e2e_models(tmp_path)            # an installed copy without configs/
@@ -113,7 +113,7 @@ def test_first_batch_row_measures_a_fresh_quantizer():
 
 def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
     # real modules: configs/vqgan_photos64.yaml through the training package, LPIPS with its real weights
-    from ddcl_vq.eval.bench.vqgan import VQGAN_ARMS, vqgan_setups, vqgan_rows
+    from ddcl_vq.studies.bench.vqgan import VQGAN_ARMS, vqgan_setups, vqgan_rows
     rows = {r["impl"]: r for r in vqgan_rows(repeats=2, warmup=0, batch=2)}
     assert set(rows) == {"vqgan-step-ddcl", "vqgan-step-hardvq"}
     for r in rows.values():
@@ -127,8 +127,8 @@ def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
     text = format_table(list(rows.values()))
     assert "vqgan-step-ddcl" in text and "input 2x3x64x64, discriminator on" in text
     # the arms are the recipe's DDCL and configs/study_vqgan.yaml's hard arm, built as the loop builds them
-    from ddcl_vq.train.yamlfile import read_yaml
-    from ddcl_vq.eval.bench.steps import CONFIGS_DIR
+    from ddcl_vq.common.yamlfile import read_yaml
+    from ddcl_vq.studies.bench.steps import CONFIGS_DIR
     study = read_yaml(CONFIGS_DIR / "study_vqgan.yaml", "study")
     hard = next(a for a in study["arms"] if a["name"] == "hard")["overrides"]
     assert dict(VQGAN_ARMS)["hardvq"] == tuple(f"{k}={v}" for k, v in hard.items())
@@ -140,7 +140,7 @@ def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
 
 
 def test_vqgan_rows_are_skipped_with_the_reason_without_the_config(tmp_path, capsys):
-    from ddcl_vq.eval.bench.vqgan import vqgan_rows
+    from ddcl_vq.studies.bench.vqgan import vqgan_rows
     rows = vqgan_rows(repeats=1, warmup=0, batch=2, configs=tmp_path)
     assert [r["impl"] for r in rows] == ["vqgan-step-ddcl", "vqgan-step-hardvq"]
     assert all(r["ms"] is None and "vqgan_photos64.yaml not found" in r["skipped"] for r in rows)

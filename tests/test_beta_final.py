@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.train.config import Config, load_config
+from ddcl_vq.tokenizer.config import Config, load_config
 
 
 def _weights(quantizer, steps):

@@ -1,10 +1,10 @@
 """Every command: settings declared and checked one way, errors the user can fix as one line.
 
-- each command's options are a dataclass read by ddcl_vq.train.settings.Options (types, choices,
+- each command's options are a dataclass read by ddcl_vq.common.settings.Options (types, choices,
   bounds, presets such as --quick), as the training config and the study file are;
 - every error a user can fix is a UserError, which each command (and the dispatcher) prints as
   ``ddcl-vq CMD: error: <message>`` with exit status 2;
-- machine information is read in one place, ddcl_vq.eval.machine.
+- machine information is read in one place, ddcl_vq.common.machine.
 """
 import importlib
 import re
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluate import EvaluateError
-from ddcl_vq.eval.study.config import load_study
-from ddcl_vq.eval.study.run import StudyError
-from ddcl_vq.train.checkpoint import CheckpointError
-from ddcl_vq.train.config import ConfigError
-from ddcl_vq.train.data import DataUnavailable
-from ddcl_vq.train.errors import UserError
-from ddcl_vq.train.settings import Options, Rules, option
+from ddcl_vq import cli
+from ddcl_vq.tokenizer.evaluate import EvaluateError
+from ddcl_vq.studies.config import load_study
+from ddcl_vq.studies.run import StudyError
+from ddcl_vq.common.checkpoint import CheckpointError
+from ddcl_vq.tokenizer.config import ConfigError
+from ddcl_vq.common.data import DataUnavailable
+from ddcl_vq.common.errors import UserError
+from ddcl_vq.common.settings import Options, Rules, option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +35,8 @@ def test_every_user_error_derives_from_one_base_class():
 def test_every_command_main_reports_user_errors():
     for name, (module, _) in cli.COMMANDS.items():
         main = importlib.import_module(module).main
-        assert hasattr(main, "__wrapped__"), f"{module}.main is not wrapped in ddcl_vq.train.errors.entry_point"
-    sources = [p for folder in ("train", "eval") for p in (ROOT / folder).rglob("*.py")]
+        assert hasattr(main, "__wrapped__"), f"{module}.main is not wrapped in ddcl_vq.common.errors.entry_point"
+    sources = [p for p in (ROOT / "ddcl_vq").rglob("*.py") if p.parent.name != "ddcl_vq" and p.parent.name != "adapters"]
     catching = [str(p.relative_to(ROOT)) for p in sources if re.search(r"except \((ConfigError|EvaluateError)",
                                                                       p.read_text())]
     assert not catching, f"commands catch error tuples themselves: {catching}"
@@ -92,7 +92,7 @@ def test_presets_fill_what_is_not_given_and_defaults_show_in_help():
 
 
 def test_bench_quick_preset_and_explicit_options():
-    from ddcl_vq.eval.bench.cli import OPTIONS
+    from ddcl_vq.studies.bench.cli import OPTIONS
     quick = OPTIONS.parse(["--quick"])
     assert (quick.repeats, quick.max_seconds, quick.budget_seconds, quick.warmup) == (2, 20.0, 5.0, 1)
     full = OPTIONS.parse(["--quick", "--repeats", "3", "--impls", "hardvq", "vqp"])
@@ -101,7 +101,7 @@ def test_bench_quick_preset_and_explicit_options():
 
 
 def test_readout_options_keep_their_names_and_defaults():
-    from ddcl_vq.eval.readout.cli import parse_args
+    from ddcl_vq.studies.readout.cli import parse_args
     opts = parse_args(["--quick", "--arms", "mean,ddcl", "--steps", "9"])
     assert (opts.steps, opts.batch_size, opts.lr, opts.arms, opts.windows) == (9, 64, 2e-3, ["mean", "ddcl"],
                                                                               [2] * 6)
@@ -136,14 +136,13 @@ def test_study_file_is_checked_like_a_config(tmp_path):
 
 def test_machine_information_is_read_in_one_place():
     readers = []
-    for folder in ("ddcl_vq", "models", "train", "eval"):
-        for path in (ROOT / folder).rglob("*.py"):
-            text = path.read_text()
-            if ("/proc/cpuinfo" in text or "getloadavg" in text or "platform.processor" in text) \
-                    and path != ROOT / "eval" / "machine.py":
-                readers.append(str(path.relative_to(ROOT)))
+    for path in (ROOT / "ddcl_vq").rglob("*.py"):
+        text = path.read_text()
+        if ("/proc/cpuinfo" in text or "getloadavg" in text or "platform.processor" in text) \
+                and path != ROOT / "ddcl_vq" / "common" / "machine.py":
+            readers.append(str(path.relative_to(ROOT)))
     assert not readers, readers
-    from ddcl_vq.eval.machine import describe_machine, machine_info
+    from ddcl_vq.common.machine import describe_machine, machine_info
     info = machine_info()
     assert {"cpu", "cores", "threads", "loadavg", "torch", "python", "cuda", "date"} <= set(info)
     assert f"{info['cores']} CPU cores" in describe_machine(info)

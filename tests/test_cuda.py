@@ -176,7 +176,7 @@ def test_autocast_on_cuda_computes_in_float32(amp_dtype, mode, impl):
 
 @needs_cuda
 def test_few_training_steps_of_the_default_config_on_cuda(tmp_path):
-    from ddcl_vq.train.cli import main as train_main
+    from ddcl_vq.tokenizer.train_cli import main as train_main
     for amp in ("none", "bf16"):
         run = tmp_path / f"run_{amp}"
         assert train_main(["--config", "configs/fashion_ddcl.yaml", "--quiet", f"run.dir={run}", "train.steps=20",
@@ -199,8 +199,8 @@ def _compile_check(device):
     import warnings
 
     import torch._dynamo
-    from ddcl_vq.train.builders import build_model
-    from ddcl_vq.train.config import load_config
+    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import load_config
     torch._dynamo.reset()
     x = torch.rand(16, 1, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
     for overrides in ([], ["quantizer.mode=soft", "quantizer.codebook_update=gradient", "quantizer.implementation=fused"]):
@@ -243,7 +243,7 @@ def test_torch_compile_default_model_on_cpu():
 
 @needs_cuda
 def test_bench_device_cuda_has_the_same_rows_as_cpu(tmp_path):
-    from ddcl_vq.eval.bench.cli import main as bench_main
+    from ddcl_vq.studies.bench.cli import main as bench_main
     rows = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"{device}.json"
@@ -260,7 +260,7 @@ def test_bench_device_cuda_has_the_same_rows_as_cpu(tmp_path):
 
 @pytest.mark.skipif(CUDA, reason="checks the message a machine without a GPU gives")
 def test_bench_device_cuda_without_gpu_is_a_one_line_error(capsys):
-    from ddcl_vq.eval.bench.cli import main as bench_main
+    from ddcl_vq.studies.bench.cli import main as bench_main
     assert bench_main(["--quick", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--device cuda" in err and "no CUDA device" in err

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import (EpochBatches, SequentialBatches, build_dataset, in_memory, make_loader,
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import (EpochBatches, SequentialBatches, build_dataset, in_memory, make_loader,
                                 resolve_workers)
 
 # pinned to one core, torch suggests at most one worker: two are asked for on purpose

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ddcl_vq import CodebookUsage
-from ddcl_vq.train.builders import build_model
-from ddcl_vq.train.checkpoint import load_checkpoint
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import build_dataset
+from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.common.checkpoint import load_checkpoint
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import build_dataset
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_usage_counts_summed_across_ranks_equal_single_process(worker_results, q
 
 def test_torchrun_training_writes_once_and_resumes(tmp_path):
     run = tmp_path / "ddp"
-    common = ["-m", "ddcl_vq.train", "--config", "configs/fashion_ddcl.yaml", "--quiet", f"run.dir={run}",
+    common = ["-m", "ddcl_vq", "train", "--config", "configs/fashion_ddcl.yaml", "--quiet", f"run.dir={run}",
               *TINY_MODEL, "quantizer.num_codes=32", "data.batch_size=32", "train.log_every=2", "train.checkpoint_every=4",
               "train.eval_images=128", "train.codebook_lr_ratio=2"]
     out = torchrun(*common, "train.steps=4")
@@ -87,8 +87,8 @@ def test_torchrun_training_writes_once_and_resumes(tmp_path):
 
 
 def test_distributed_evaluate_equals_single_process(tmp_path):
-    from ddcl_vq.eval.evaluate import main as evaluate_main
-    from ddcl_vq.train.loop import train as train_run
+    from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+    from ddcl_vq.tokenizer.train import train as train_run
 
     cfg = load_config("configs/fashion_ddcl.yaml", [
         f"run.dir={tmp_path / 'run'}", *TINY_MODEL, "quantizer.num_codes=32", "data.batch_size=32", "train.steps=6",
@@ -98,7 +98,7 @@ def test_distributed_evaluate_equals_single_process(tmp_path):
     assert evaluate_main([str(run), "--max-images", "300", "--quiet"]) == 0
     single = json.loads((run / "eval.json").read_text())
     (run / "eval.json").unlink()
-    torchrun("-m", "ddcl_vq.eval.cli", "evaluate", str(run), "--max-images", "300", "--quiet")
+    torchrun("-m", "ddcl_vq.cli", "evaluate", str(run), "--max-images", "300", "--quiet")
     multi = json.loads((run / "eval.json").read_text())
     assert multi["num_images"] == single["num_images"] == 300
     assert multi["usage_counts"] == single["usage_counts"]
@@ -120,7 +120,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
 
     def cmd(run):
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), "-m", "ddcl_vq.train", "--config", "configs/fashion_ddcl.yaml",
+                "--master_port", str(free_port()), "-m", "ddcl_vq", "train", "--config", "configs/fashion_ddcl.yaml",
                 "--quiet", f"run.dir={run}", *TINY_MODEL, "quantizer.num_codes=32", "data.batch_size=32",
                 "train.steps=40", "train.log_every=1", "train.checkpoint_every=100", "train.eval_images=0"]
 

@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from ddcl_vq.eval import metrics
-from ddcl_vq.eval.compare import compare
-from ddcl_vq.eval.evaluate import evaluate_run, load_run
-from ddcl_vq.eval.evaluate import main as evaluate_main
-from ddcl_vq.eval.study.cli import main as study_main
-from ddcl_vq.eval.study.config import load_study
-from ddcl_vq.train.config import ConfigError, load_config
-from ddcl_vq.train.data import build_dataset
-from ddcl_vq.train.loop import train
+from ddcl_vq.tokenizer import metrics
+from ddcl_vq.studies.compare import compare
+from ddcl_vq.tokenizer.evaluate import evaluate_run, load_run
+from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+from ddcl_vq.studies.cli import main as study_main
+from ddcl_vq.studies.config import load_study
+from ddcl_vq.tokenizer.config import ConfigError, load_config
+from ddcl_vq.common.data import build_dataset
+from ddcl_vq.tokenizer.train import train
 from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,8 +367,8 @@ def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
 
 def test_settings_text_of_an_ema_run_without_a_decay_names_emavqs_own_default():
     """quantizer.decay null means "the quantizer's own default"; the tables say which (it crashed before)."""
-    from ddcl_vq.eval.tables import settings_text
-    from ddcl_vq.train.config import Config
+    from ddcl_vq.studies.tables import settings_text
+    from ddcl_vq.tokenizer.config import Config
 
     ema = Config.from_dict({"quantizer": {"type": "ema"}})
     assert ema.quantizer.decay is None

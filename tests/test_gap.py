@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-from ddcl_vq.eval.evaluate import EvaluateError, load_run
-from ddcl_vq.eval.gap import duplicate_codes, lloyd_step, main, nearest_codes, quantization_gap
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import build_dataset
-from ddcl_vq.train.loop import train
-from ddcl_vq.train.testset import reconstruction_pass
+from ddcl_vq.tokenizer.evaluate import EvaluateError, load_run
+from ddcl_vq.tokenizer.gap import duplicate_codes, lloyd_step, main, nearest_codes, quantization_gap
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import build_dataset
+from ddcl_vq.tokenizer.train import train
+from ddcl_vq.tokenizer.testset import reconstruction_pass
 from conftest import TINY
 
 TINY = TINY + ["train.eval_images=0"]

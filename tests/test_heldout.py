@@ -9,14 +9,14 @@ import pytest
 import torch
 import yaml
 
-from ddcl_vq.eval.evaluate import main as evaluate_main
-from ddcl_vq.eval.study.cli import main as study_main
-from ddcl_vq.eval.study.config import load_study
-from ddcl_vq.train.cli import main as train_main
-from ddcl_vq.train.config import ConfigError, load_config
-from ddcl_vq.train.data import (NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, PHOTOGRAPHS, build_dataset,
+from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+from ddcl_vq.studies.cli import main as study_main
+from ddcl_vq.studies.config import load_study
+from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.config import ConfigError, load_config
+from ddcl_vq.common.data import (NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, PHOTOGRAPHS, build_dataset,
                                 digits_arrays, image_channels, natural_patches)
-from ddcl_vq.train.loop import train
+from ddcl_vq.tokenizer.train import train
 from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,9 +240,9 @@ def test_a_study_with_parts_compares_each_part_on_its_own(tmp_path):
 
 
 def test_compare_refuses_runs_tested_on_other_photographs(tmp_path):
-    from ddcl_vq.eval.compare import check_one_dataset
-    from ddcl_vq.eval.evaluate import EvaluateError
-    from ddcl_vq.train.config import dump_config
+    from ddcl_vq.studies.compare import check_one_dataset
+    from ddcl_vq.tokenizer.evaluate import EvaluateError
+    from ddcl_vq.tokenizer.config import dump_config
 
     def run(name, *overrides):
         (tmp_path / name).mkdir()

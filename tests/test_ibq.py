@@ -120,9 +120,9 @@ def test_empty_batch(training):
 
 
 def test_config_keys_and_a_tiny_run_through_the_commands(tmp_path, capsys):
-    from ddcl_vq.eval import cli
-    from ddcl_vq.train.config import ConfigError, load_config
-    from ddcl_vq.train.loop import train
+    from ddcl_vq import cli
+    from ddcl_vq.tokenizer.config import ConfigError, load_config
+    from ddcl_vq.tokenizer.train import train
 
     with pytest.raises(ConfigError, match="quantizer.logits"):
         load_config(None, ["quantizer.type=ibq", "quantizer.logits=cosine"])

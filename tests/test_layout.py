@@ -1,22 +1,17 @@
-"""The layout promises of DESIGN.md: one installed name, arrows only pointing down, no cycles.
+"""The layout promises of docs/design.md: one package whose folders are its import paths, arrows only
+pointing down, no cycles.
 
-- Installed, the repository's folders live under ``ddcl_vq`` (``ddcl_vq.models``,
-  ``ddcl_vq.train``, ``ddcl_vq.eval``): a user's own ``models/`` package or ``train.py`` is
-  never shadowed, imported or overwritten, and a wheel puts nothing else at the top level.
-- ``ddcl_vq`` (what users copy) imports nothing from models/, train/ or eval/; models/ only
-  ddcl_vq; train/ only ddcl_vq and models/; no module imports a top-level ``models``,
-  ``train`` or ``eval``; the import graph among the project's modules (imports inside
-  functions included) has no cycle.
-- Code outside ddcl_vq asks the Quantizer interface instead of testing for a concrete class.
+- ``ddcl_vq``'s own modules and ``ddcl_vq/adapters`` (the library, what users copy) import nothing from
+  the feature folders; ``models`` only the library; ``common`` the library and models; then
+  ``tokenizer``, ``prior``, ``studies`` and the ``ddcl-vq`` dispatcher (``cli``), each only what is
+  above it in that list; the import graph (imports inside functions included) has no cycle.
+- Code outside the library asks the Quantizer interface instead of testing for a concrete class.
 """
 import ast
-import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -24,22 +19,21 @@ import pytest
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-# repository folder -> installed package name, lowest layer first
-FOLDERS = {"ddcl_vq": "ddcl_vq", "models": "ddcl_vq.models", "train": "ddcl_vq.train", "eval": "ddcl_vq.eval"}
-LAYER = {name: i for i, name in enumerate(FOLDERS.values())}
+#: the layers, lowest first: a module may import its own layer and those before it
+LAYERS = ["library", "models", "common", "tokenizer", "prior", "studies", "cli"]
+FEATURES = ("models", "common", "tokenizer", "prior", "studies")
 CONCRETE_QUANTIZERS = {"DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer"}
 TINY = TINY_MODEL + ["quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=0", "train.log_every=1"]
 
 
 def project_modules() -> dict:
-    """Installed module name -> source file, for every module of the four folders."""
+    """Module name -> source file, for every module under ddcl_vq/."""
     out = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([package] + parts)] = path
+    for path in sorted((ROOT / "ddcl_vq").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
     return out
 
 
@@ -62,30 +56,24 @@ def imports_of(name: str, path: Path, modules: dict) -> set:
         for target in targets:
             while target and target not in modules and target.split(".")[0] == "ddcl_vq":
                 target = target.rpartition(".")[0]
-            if target.split(".")[0] in ("models", "train", "eval"):
-                found.add("TOP-LEVEL " + target)
-            elif target in modules and target != name:
+            if target in modules and target != name:
                 found.add(target)
     return found
 
 
 def layer_of(module: str) -> str:
-    return next(p for p in sorted(LAYER, key=len, reverse=True) if module == p or module.startswith(p + "."))
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in FEATURES:
+        return parts[1]
+    return "cli" if module in ("ddcl_vq.cli", "ddcl_vq.__main__") else "library"
 
 
-def test_imports_point_down_and_never_at_top_level_names():
+def test_imports_point_down():
     modules = project_modules()
-    bad = []
-    for name, path in modules.items():
-        for target in imports_of(name, path, modules):
-            if target.startswith("TOP-LEVEL"):
-                bad.append(f"{name} imports {target[10:]} (expected ddcl_vq.{target[10:]})")
-            elif LAYER[layer_of(target)] > LAYER[layer_of(name)]:
-                bad.append(f"{name} imports {target}: arrows only point down ddcl_vq -> models -> train -> eval")
-    for path in sorted((ROOT / "tests").glob("*.py")):
-        for target in imports_of("tests." + path.stem, path, modules):
-            if target.startswith("TOP-LEVEL"):
-                bad.append(f"tests/{path.name} imports {target[10:]}")
+    bad = [f"{name} ({layer_of(name)}) imports {target} ({layer_of(target)}): arrows only point down "
+           + " -> ".join(LAYERS[::-1])
+           for name, path in modules.items() for target in imports_of(name, path, modules)
+           if LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(name))]
     assert not bad, "\n".join(bad)
 
 
@@ -115,7 +103,7 @@ def test_no_import_cycle():
 def test_no_isinstance_on_a_concrete_quantizer_outside_ddcl_vq():
     offenders = []
     for name, path in project_modules().items():
-        if layer_of(name) == "ddcl_vq":
+        if layer_of(name) == "library":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass") \
@@ -127,19 +115,12 @@ def test_no_isinstance_on_a_concrete_quantizer_outside_ddcl_vq():
     assert not offenders, "ask the Quantizer interface instead: " + ", ".join(offenders)
 
 
-def test_import_ddcl_vq_loads_nothing_from_the_other_folders():
+def test_import_ddcl_vq_loads_nothing_from_the_feature_folders():
     code = ("import sys, ddcl_vq\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('models', 'train', 'eval') or "
-            "m.startswith(('ddcl_vq.models', 'ddcl_vq.train', 'ddcl_vq.eval', 'torchvision'))]\n"
+            f"bad = [m for m in sys.modules if m.split('.')[:2] in [['ddcl_vq', f] for f in {FEATURES!r}] "
+            "or m.startswith('torchvision')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-def test_pyproject_lists_every_package_folder():
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    expected = {name for name, path in project_modules().items() if path.name == "__init__.py"}
-    assert set(setuptools["packages"]) == expected
-    assert setuptools["package-dir"] == {p: f for f, p in FOLDERS.items() if f != "ddcl_vq"}
 
 
 @pytest.fixture
@@ -164,7 +145,7 @@ def test_user_models_package_and_train_py_do_not_collide(user_project):
     assert (run / "checkpoints" / "last.pt").is_file()
     code = ("import sys\n"
             "from ddcl_vq.models import VQVAE, Encoder, Decoder\n"
-            "import ddcl_vq.train.builders, ddcl_vq.eval.cli\n"
+            "import ddcl_vq.tokenizer.builders, ddcl_vq.cli\n"
             "assert not {'models', 'train', 'eval'} & set(sys.modules), sorted(sys.modules)\n"
             "try:\n"
             "    import models\n"
@@ -179,8 +160,7 @@ def test_user_models_package_and_train_py_do_not_collide(user_project):
 
 def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
     src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info next to the sources
-    for name in FOLDERS:
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "ddcl_vq", src / "ddcl_vq", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -192,44 +172,30 @@ def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"ddcl_vq"}, top
-    assert "ddcl-vq = ddcl_vq.eval.cli:main" in entry_points
+    assert "ddcl-vq = ddcl_vq.cli:main" in entry_points
     for name, path in project_modules().items():
         assert name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py") in names, name
     # the unpacked wheel, first on the path, imports and runs on its own files
     code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-            "import ddcl_vq.models, ddcl_vq.train.cli, ddcl_vq.eval.cli\n"
-            "for m in (ddcl_vq.models, ddcl_vq.train.cli, ddcl_vq.eval.cli):\n"
+            "import ddcl_vq.models, ddcl_vq.tokenizer.train_cli, ddcl_vq.cli\n"
+            "for m in (ddcl_vq.models, ddcl_vq.tokenizer.train_cli, ddcl_vq.cli):\n"
             "    assert m.__file__.startswith(sys.argv[1]), m.__file__\n"
-            "assert ddcl_vq.eval.cli.main(['--help']) == 0\n")
+            "assert ddcl_vq.cli.main(['--help']) == 0\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "readout-study" in out.stdout
 
 
-def test_the_development_install_is_followable_by_tools():
-    """scripts/setup.sh installs strictly editable: site-packages holds a static path entry to a tree
-    of links to the sources (no import hook that grep, editors and type checkers cannot follow), and
-    every installed module resolves to its file in the repository."""
-    code = ("import sys, json, importlib\n"
-            "names = sys.argv[1:]\n"
-            "files = {n: importlib.import_module(n).__file__ for n in names}\n"
-            "hooks = [type(f).__module__ for f in sys.meta_path if 'editable' in type(f).__module__]\n"
-            "print(json.dumps({'files': files, 'hooks': hooks}))\n")
-    names = ["ddcl_vq.ddcl", "ddcl_vq.models.vqvae", "ddcl_vq.train.loop", "ddcl_vq.eval.compare"]
+def test_the_development_install_is_the_source_folder():
+    """scripts/setup.sh installs editable: every module imports from its file under ddcl_vq/."""
+    names = ["ddcl_vq.ddcl", "ddcl_vq.models.vqvae", "ddcl_vq.tokenizer.train", "ddcl_vq.studies.compare"]
+    code = "import importlib, sys\nprint('\\n'.join(importlib.import_module(n).__file__ for n in sys.argv[1:]))\n"
     out = subprocess.run([sys.executable, "-c", code, *names], cwd="/", capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    found = json.loads(out.stdout)
-    assert found["hooks"] == [], f"an import hook serves the package: {found['hooks']} (run bash scripts/setup.sh)"
-    for name, file in found["files"].items():
-        if name.startswith("ddcl_vq.") and name.split(".")[1] in ("models", "train", "eval"):
-            expected = ROOT / name.split(".")[1] / (name.split(".")[2] + ".py")
-        else:
-            expected = ROOT / "ddcl_vq" / (name.split(".")[1] + ".py")
-        assert Path(file).resolve() == expected, (name, file)
-    pth = [p for p in Path(sysconfig.get_paths()["purelib"]).glob("__editable__*ddcl_vq*.pth")]
-    assert pth and all(not line.startswith("import ") for p in pth for line in p.read_text().splitlines()), pth
+    for name, file in zip(names, out.stdout.split()):
+        assert Path(file).resolve() == ROOT / (name.replace(".", "/") + ".py"), (name, file)
 
 
 def _calls(tree: ast.AST, attr: str):
@@ -237,24 +203,27 @@ def _calls(tree: ast.AST, attr: str):
             and n.func.attr == attr]
 
 
-def test_training_lives_in_train_and_its_helpers_are_defined_once():
-    """Every loop that trains runs from train/ (eval/ measures; the bench times train/'s training step):
-    no file under eval/ calls an optimizer's or a schedule's step(), and the helpers every loop shares — RNG state, the learning-rate schedule, dropping the
-    metrics lines a killed run wrote past its checkpoint — have one definition in the tree."""
-    for path in sorted((ROOT / "eval").rglob("*.py")):
+def test_training_loops_run_in_the_skeleton_and_its_helpers_are_defined_once():
+    """Every loop that trains runs inside the skeleton (common/skeleton.py): no evaluation, export, token or bench
+    module calls an optimizer's or a schedule's step(), and the helpers every loop shares — RNG state, the
+    learning-rate schedule, dropping the metrics lines a killed run wrote past its checkpoint — have one definition."""
+    training = {"tokenizer/train.py", "tokenizer/losses.py", "prior/train.py", "prior/classifier_train.py",
+                "studies/readout/train.py"}
+    for name, path in project_modules().items():
+        if layer_of(name) == "library" or str(path.relative_to(ROOT / "ddcl_vq")) in training:
+            continue
         tree = ast.parse(path.read_text(), str(path))
         stepped = [c for c in _calls(tree, "step") if not c.args and not c.keywords]  # optimizer.step(), scheduler.step()
         assert not stepped, f"{path.relative_to(ROOT)}:{stepped[0].lineno if stepped else ''} calls step()"
     defined: dict = {}
-    for folder in FOLDERS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.FunctionDef):
-                    defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "ddcl_vq").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef):
+                defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     for helper in ("rng_state", "set_rng_state", "lr_schedule", "keep_logged_steps", "setup_distributed"):
         assert len(defined.get(helper, [])) == 1, (helper, defined.get(helper))
     for duplicate in ("_rng_state", "_set_rng_state", "lr_factor"):
         assert duplicate not in defined, (duplicate, defined[duplicate])
     # every loop runs inside the skeleton
-    for loop in ("train/loop.py", "train/prior.py", "train/readout.py"):
+    for loop in ("ddcl_vq/tokenizer/train.py", "ddcl_vq/prior/train.py", "ddcl_vq/studies/readout/train.py"):
         assert "TrainingRun(" in (ROOT / loop).read_text(), loop

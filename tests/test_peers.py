@@ -186,7 +186,7 @@ def test_fsq_without_a_table_entry_warns_once_in_one_clear_line(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--config", str(ROOT / "configs/fashion_ddcl.yaml"),
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq", "train", "--config", str(ROOT / "configs/fashion_ddcl.yaml"),
                            "--quiet", *TINY_MODEL, "quantizer.type=fsq", "quantizer.num_codes=7", "data.batch_size=16",
                            "train.steps=1", "train.eval_images=0", f"run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -201,8 +201,8 @@ def test_fsq_without_a_table_entry_warns_once_in_one_clear_line(tmp_path):
 
 
 def test_config_keys_build_the_peers():
-    from ddcl_vq.train.builders import build_quantizer, quantizer_kwargs
-    from ddcl_vq.train.config import ConfigError, load_config
+    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
+    from ddcl_vq.tokenizer.config import ConfigError, load_config
 
     cfg = load_config(None, ["quantizer.type=fsq", "quantizer.num_codes=256"])
     q = build_quantizer(cfg.quantizer, 8)
@@ -229,7 +229,7 @@ TINY = TINY_MODEL + ["data.batch_size=32", "train.steps=6", "train.log_every=2",
 
 
 def _cli(*args, capsys):
-    from ddcl_vq.eval import cli
+    from ddcl_vq import cli
     assert cli.main(list(args)) == 0
     return capsys.readouterr().out
 
@@ -237,8 +237,8 @@ def _cli(*args, capsys):
 @pytest.mark.parametrize("qtype,k", [("fsq", 256), ("simvq", 64)])
 def test_tiny_run_end_to_end(qtype, k, tmp_path, capsys):
     """train 6 steps -> evaluate -> export -> tokenize -> decode, through the commands."""
-    from ddcl_vq.train.config import load_config
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer.config import load_config
+    from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs/fashion_ddcl.yaml",
@@ -262,7 +262,7 @@ def test_tiny_run_end_to_end(qtype, k, tmp_path, capsys):
     assert (tmp_path / "g.png").stat().st_size > 0
 
     # the exported folder rebuilds the quantizer with the run's weights and decodes the same tokens
-    from ddcl_vq.eval.evaluate import load_run
+    from ddcl_vq.tokenizer.evaluate import load_run
     from ddcl_vq.models import VQVAE
     _, run_model, _, _ = load_run(run)
     loaded = VQVAE.from_pretrained(str(tmp_path / "exported"))

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from ddcl_vq.eval import cli
-from ddcl_vq.eval.prior.classifier import frechet_distance
-from ddcl_vq.train.prior_config import PriorConfig, load_prior_config
-from ddcl_vq.eval.prior.data import PriorData, load_tokens
-from ddcl_vq.train.prior import load_prior, nll_bits, train_prior
-from ddcl_vq.eval.use.tokenize_split import tokenize_run
+from ddcl_vq import cli
+from ddcl_vq.prior.classifier import frechet_distance
+from ddcl_vq.prior.config import PriorConfig, load_prior_config
+from ddcl_vq.prior.data import PriorData, load_tokens
+from ddcl_vq.prior.train import load_prior, nll_bits, train_prior
+from ddcl_vq.tokenizer.tokenize import tokenize_run
 from ddcl_vq.models.prior import CodePrior
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.loop import train
-from ddcl_vq.train.rundir import RunDirError
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.tokenizer.train import train
+from ddcl_vq.common.rundir import RunDirError
 from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,7 +299,7 @@ def test_end_to_end_tokenizer_tokens_prior_samples_evaluation(tokenized, tmp_pat
     assert (prior / "samples.png").is_file()
     assert ev["classifier"]["cached"] is False and list((tmp_path / "cache").glob("classifier_fashion_mnist_32_*.pt"))
     # the second evaluation reads the cached classifier
-    from ddcl_vq.eval.prior.evaluation import evaluate_prior
+    from ddcl_vq.prior.evaluation import evaluate_prior
     ev2 = evaluate_prior(prior, samples=20, real=60, classifier_steps=4, cache_dir=str(tmp_path / "cache"),
                          write=False)
     assert ev2["classifier"]["cached"] is True and ev2["nll"] == ev["nll"]
@@ -310,7 +310,7 @@ def test_end_to_end_tokenizer_tokens_prior_samples_evaluation(tokenized, tmp_pat
 # --------------------------------------------------------------------------- the study
 
 def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
-    from ddcl_vq.eval.prior.study import load_prior_study
+    from ddcl_vq.studies.prior_study import load_prior_study
 
     spec, study, prior, tok, ev, seeds, out = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)
     groups = {a.group for a in study.arms}
@@ -319,7 +319,7 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     assert {a.config.quantizer.type for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
     assert seeds == [0, 1, 2] and ev["samples"] == 1000 and tok["train_images"] == 0
     # the same prior for every tokenizer: the file's prior is the shipped prior config
-    from ddcl_vq.train.prior_config import load_prior_config
+    from ddcl_vq.prior.config import load_prior_config
     assert load_prior_config(None, prior) == load_prior_config(ROOT / "configs/prior_fashion.yaml")
     quick = load_prior_study(ROOT / "configs/study_prior.yaml", quick=True, out=tmp_path / "q", arms=["ddcl_k256*"],
                              prior_seeds=[0])
@@ -330,8 +330,8 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
 def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     """configs/study_prior_cpu.yaml: the same tokenizers, evaluation and prior model; only the
     prior's steps (600) and its evaluation interval change."""
-    from ddcl_vq.train.prior_config import load_prior_config
-    from ddcl_vq.eval.prior.study import load_prior_study
+    from ddcl_vq.prior.config import load_prior_config
+    from ddcl_vq.studies.prior_study import load_prior_study
 
     full = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)
     cpu = load_prior_study(ROOT / "configs/study_prior_cpu.yaml", out=tmp_path)
@@ -348,7 +348,7 @@ def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_p
     in docs/prior.md: their DDCL and peer tokenizers are the CPU study's but for the seed, their
     revive_twins and τ arms DDCL's default but for those keys, and the prior, tokens and evaluation
     are the same."""
-    from ddcl_vq.eval.prior.study import load_prior_study
+    from ddcl_vq.studies.prior_study import load_prior_study
 
     cpu = load_prior_study(ROOT / "configs/study_prior_cpu.yaml", out=tmp_path)
     by_group = {a.group: a.config for a in cpu[1].arms}
@@ -378,7 +378,7 @@ def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_p
 
 
 def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
-    from ddcl_vq.eval.prior.study import aggregate, markdown, write_plot
+    from ddcl_vq.studies.prior_study import aggregate, markdown, write_plot
 
     base = {"tokenizer": "ddcl_k256_s0", "type": "ddcl", "num_codes": 256, "psnr": 24.0, "utilization": 1.0,
             "perplexity": 200.0, "log2_k": 8.0, "fd_recon": 1.0}
@@ -399,7 +399,7 @@ def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
 def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
     """An arm on several tokenizer seeds gets one row over them: the mean ± sd of each tokenizer's
     (prior-averaged) figures; an arm on one tokenizer seed gets none."""
-    from ddcl_vq.eval.prior.study import aggregate, over_tokenizer_seeds, seeds_markdown
+    from ddcl_vq.studies.prior_study import aggregate, over_tokenizer_seeds, seeds_markdown
 
     base = {"type": "ddcl", "num_codes": 256, "utilization": 1.0, "perplexity": 200.0, "log2_k": 8.0,
             "fd_recon": 1.0, "bits_per_image": None, "class_accuracy": 0.5}
@@ -424,7 +424,7 @@ def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
 def test_study_end_to_end_then_report_only_trains_nothing(tmp_path, monkeypatch):
     """A --quick study of one tokenizer and one prior seed; then --report-only over every tokenizer
     and two prior seeds tabulates the finished prior again and names, without training, the rest."""
-    from ddcl_vq.eval.prior.study import finished_prior, run_prior_study
+    from ddcl_vq.studies.prior_study import finished_prior, run_prior_study
 
     monkeypatch.setenv("DDCL_VQ_CACHE", str(tmp_path / "cache"))
     out, study = tmp_path / "study", ROOT / "configs/study_prior.yaml"

@@ -372,7 +372,7 @@ def test_study_arms_share_the_encoder_initialisation():
 
 
 def test_help_explains(capsys):
-    from ddcl_vq.eval.readout.cli import main
+    from ddcl_vq.studies.readout.cli import main
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -383,8 +383,8 @@ def test_help_explains(capsys):
 
 def test_quick_study_on_real_data(tmp_path):
     pytest.importorskip("matplotlib")
-    from ddcl_vq.train.data import DataUnavailable
-    from ddcl_vq.eval.readout.cli import main
+    from ddcl_vq.common.data import DataUnavailable
+    from ddcl_vq.studies.readout.cli import main
 
     try:
         rc = main(["--quick", "--out", str(tmp_path), "--no-progress", "--arms", "mean,ddcl"])

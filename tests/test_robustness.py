@@ -23,18 +23,18 @@ import pytest
 import torch
 import yaml
 
-from ddcl_vq.eval import cli
-from ddcl_vq.eval import compare as compare_module
-from ddcl_vq.eval.compare import compare, needs_eval
-from ddcl_vq.eval.evaluate import EvaluateError, evaluate_run
-from ddcl_vq.eval.evaluate import main as evaluate_main
-from ddcl_vq.train.checkpoint import load_checkpoint
-from ddcl_vq.train.cli import main as train_main
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import DataUnavailable, UnreadableImage
-from ddcl_vq.train.errors import UserError
-from ddcl_vq.train.loop import EndOfRunEvaluationFailed, train
-from ddcl_vq.train.rundir import LOCK_NAME, RunDirError, RunLock
+from ddcl_vq import cli
+from ddcl_vq.studies import compare as compare_module
+from ddcl_vq.studies.compare import compare, needs_eval
+from ddcl_vq.tokenizer.evaluate import EvaluateError, evaluate_run
+from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+from ddcl_vq.common.checkpoint import load_checkpoint
+from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import DataUnavailable, UnreadableImage
+from ddcl_vq.common.errors import UserError
+from ddcl_vq.tokenizer.train import EndOfRunEvaluationFailed, train
+from ddcl_vq.common.rundir import LOCK_NAME, RunDirError, RunLock
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def test_second_training_in_a_locked_folder_is_refused_naming_the_pid(tiny_confi
 def test_lock_of_a_process_that_is_gone_is_taken_over(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from ddcl_vq.train.rundir import RunLock\n"
+        "import sys, time; from pathlib import Path; from ddcl_vq.common.rundir import RunLock\n"
         f"RunLock(Path({str(run)!r})).acquire(); print('held', flush=True); time.sleep(120)")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -164,7 +164,7 @@ def test_lock_of_a_process_that_is_gone_is_taken_over(tmp_path):
 
 def test_two_trainings_at_once_one_refused_and_one_clean_log(tmp_path):
     run = tmp_path / "two"
-    args = [sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", "configs/fashion_hard.yaml",
+    args = [sys.executable, "-m", "ddcl_vq", "train", "--quiet", "--config", "configs/fashion_hard.yaml",
             f"run.dir={run}", "train.steps=400", "train.log_every=10", "train.checkpoint_every=400",
             *TINY_MODEL, "model.num_res_blocks=2", "quantizer.num_codes=32", "data.batch_size=16", "train.eval_images=0"]
     first = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -414,7 +414,7 @@ def test_evaluate_and_compare_print_their_results_when_writing_fails(small_run, 
 
 
 def test_an_os_error_is_one_line_naming_the_path(monkeypatch, tmp_path, capsys):
-    from ddcl_vq.train.errors import entry_point
+    from ddcl_vq.common.errors import entry_point
 
     @entry_point("ddcl-vq x")
     def main(argv):

@@ -25,13 +25,13 @@ import pytest
 import torch
 import yaml
 
-from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluate import evaluate_run
-from ddcl_vq.eval.freshness import needs_eval
-from ddcl_vq.eval.use.export import export_run
+from ddcl_vq import cli
+from ddcl_vq.tokenizer.evaluate import evaluate_run
+from ddcl_vq.studies.freshness import needs_eval
+from ddcl_vq.tokenizer.export import export_run
 from ddcl_vq.models import VQVAE
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.loop import train
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.tokenizer.train import train
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ LIMITED = """\
 import contextlib, io, json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of a signal
 import matplotlib.pyplot, torch, torchvision  # imported (caches written) before any limit
-from ddcl_vq.eval import cli
+from ddcl_vq import cli
 results = []
 for limit, argv in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -258,7 +258,7 @@ def test_a_garbage_token_file_is_one_line(name, data, message, exported, tmp_pat
 # --------------------------------------------------------------------------- decode: grid and K
 
 def test_decode_notes_another_grid_and_refuses_tokens_of_another_k(exported, tmp_path, capsys):
-    from ddcl_vq.eval.use.files import write_tokens
+    from ddcl_vq.tokenizer.tokens import write_tokens
 
     small = tmp_path / "small.npy"
     np.save(small, np.zeros((3, 4, 4), dtype=np.int32))
@@ -436,7 +436,7 @@ def _poison(name_filter, row: bool, value: float):
 
 def test_an_export_with_non_finite_weights_is_refused_on_load(exported, tmp_path, capsys):
     """Rough edge: an export with a NaN codebook row or an Inf decoder weight loaded and decoded with rc 0."""
-    from ddcl_vq.eval.use.decode import decode_indices
+    from ddcl_vq.tokenizer.decode import decode_indices
 
     tokens = tmp_path / "t.npy"
     np.save(tokens, np.zeros((2, 8, 8), dtype=np.uint8))

@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddcl_vq.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ddcl_vq.train.cli import main as train_main
-from ddcl_vq.train.config import Config, ConfigError, load_config
-from ddcl_vq.train.data import DataUnavailable, ImageFiles, build_dataset, fashion_mnist_arrays
-from ddcl_vq.train.loop import train
-from ddcl_vq.train.memory import NotEnoughMemory, check_fits, estimate
-from ddcl_vq.train.rundir import RunDirError
-from ddcl_vq.train.yamlfile import MAX_VALUES
+from ddcl_vq.common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.config import Config, ConfigError, load_config
+from ddcl_vq.common.data import DataUnavailable, ImageFiles, build_dataset, fashion_mnist_arrays
+from ddcl_vq.tokenizer.train import train
+from ddcl_vq.tokenizer.memory import NotEnoughMemory, check_fits, estimate
+from ddcl_vq.common.rundir import RunDirError
+from ddcl_vq.common.yamlfile import MAX_VALUES
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +124,8 @@ def test_resume_across_a_revival_is_bit_identical(straight_run, tmp_path):
 
 KILLER = """
 import os, signal, sys
-from ddcl_vq.train import loop
-from ddcl_vq.train.cli import main
+from ddcl_vq.tokenizer import train as loop
+from ddcl_vq.tokenizer.train_cli import main
 after_step = loop.RunLog.after_step
 def kill_after(self, step, *args, **kwargs):
     after_step(self, step, *args, **kwargs)
@@ -255,8 +255,8 @@ def test_yaml_alias_bomb_deep_nesting_and_huge_files_are_one_line(tmp_path, caps
 
 def test_study_files_are_bounded_like_configs(tmp_path, capsys):
     """Both study commands read their YAML through the same bounded reader as a training config."""
-    from ddcl_vq.eval.prior.study import read_prior_study
-    from ddcl_vq.eval.study.config import read_study_file
+    from ddcl_vq.studies.prior_study import read_prior_study
+    from ddcl_vq.studies.config import read_study_file
 
     (tmp_path / "bomb.yaml").write_text(alias_bomb())
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
@@ -282,7 +282,7 @@ def test_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_survives
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    out = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", str(run / "config.yaml"),
+    out = subprocess.run([sys.executable, "-m", "ddcl_vq", "train", "--quiet", "--config", str(run / "config.yaml"),
                           "train.steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          preexec_fn=small_files)
     assert out.returncode == 2, out.stderr
@@ -292,7 +292,7 @@ def test_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_survives
     assert last.read_bytes() == good and load_checkpoint(last)["step"] == 2
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary file left
     # with room again, the same command resumes
-    out = subprocess.run([sys.executable, "-m", "ddcl_vq.train", "--quiet", "--config", str(run / "config.yaml"),
+    out = subprocess.run([sys.executable, "-m", "ddcl_vq", "train", "--quiet", "--config", str(run / "config.yaml"),
                           "train.steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert load_checkpoint(last)["step"] == 4 and [r["step"] for r in records(run)] == [1, 2, 3, 4]
@@ -315,7 +315,7 @@ def test_a_configuration_the_machine_cannot_hold_is_refused_with_the_figure(conf
 
 
 def test_memory_estimate_counts_the_real_model(tmp_path):
-    from ddcl_vq.train.builders import build_model
+    from ddcl_vq.tokenizer.builders import build_model
     cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.codebook_update=gradient"])
     model = build_model(cfg, 1)
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -392,7 +392,7 @@ def test_unknown_key_suggests_only_a_close_key(capsys):
 
 
 def test_download_false_does_not_say_it_tried_to_download(tmp_path, monkeypatch):
-    from ddcl_vq.train import data as data_module
+    from ddcl_vq.common import data as data_module
     monkeypatch.setattr(data_module, "DEBIAN_FASHION_DIR", tmp_path / "nothing")
     monkeypatch.delenv("DDCL_VQ_FASHION_DIR", raising=False)
     with pytest.raises(DataUnavailable) as err:
@@ -435,9 +435,9 @@ def test_codebook_lr_only_for_a_codebook_with_a_learning_rate_and_revived_is_cum
 
 
 def test_new_errors_are_user_errors_and_a_refused_allocation_is_one_line(capsys):
-    from ddcl_vq.train.checkpoint import CheckpointWriteError
-    from ddcl_vq.train.data import UnfaithfulImage
-    from ddcl_vq.train.errors import UserError, entry_point
+    from ddcl_vq.common.checkpoint import CheckpointWriteError
+    from ddcl_vq.common.data import UnfaithfulImage
+    from ddcl_vq.common.errors import UserError, entry_point
 
     for cls in (CheckpointWriteError, NotEnoughMemory, RunDirError):
         assert issubclass(cls, UserError), cls
@@ -466,7 +466,7 @@ def test_new_errors_are_user_errors_and_a_refused_allocation_is_one_line(capsys)
 def test_a_config_file_whose_top_level_is_not_a_mapping_is_one_line_naming_the_file(tmp_path, capsys):
     """Item 8: a list at the top crashed (AttributeError: 'list' object has no attribute 'setdefault') as soon as
     an override was given, in train and in prior train."""
-    from ddcl_vq.eval import cli
+    from ddcl_vq import cli
 
     path = tmp_path / "list.yaml"
     path.write_text("- train.steps: 2\n- train.lr: 1e-3\n")
@@ -479,7 +479,7 @@ def test_a_config_file_whose_top_level_is_not_a_mapping_is_one_line_naming_the_f
         assert expected in one_error_line(capsys, "prior train")
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="expected a mapping at the top, got list"):
-        from ddcl_vq.train.config import apply_overrides
+        from ddcl_vq.tokenizer.config import apply_overrides
         apply_overrides([1, 2], ["train.steps=2"])
 
 
@@ -514,7 +514,7 @@ def test_whole_numbers_in_exponent_notation_are_integers(tmp_path, capsys):
     with pytest.raises(ConfigError, match="too large to be exact"):
         load_config(None, ["train.steps=1e300"])
     # command-line options read the same way
-    from ddcl_vq.train.settings import Options, option
+    from ddcl_vq.common.settings import Options, option
     from dataclasses import dataclass
 
     @dataclass
@@ -529,7 +529,7 @@ def test_whole_numbers_in_exponent_notation_are_integers(tmp_path, capsys):
 
 def test_non_finite_option_values_are_refused(capsys):
     """Rough edge: prior sample --temperature inf was accepted (every command's float options now say no)."""
-    from ddcl_vq.eval import cli
+    from ddcl_vq import cli
 
     for value in ("inf", "-inf", "nan", "1e999"):
         assert cli.main(["prior", "sample", "no/such/prior", "--count", "4", "--out", "s.png",

@@ -1,4 +1,4 @@
-"""The training skeleton every loop runs in (ddcl_vq.train.skeleton), once on a loop of its own and
+"""The training skeleton every loop runs in (ddcl_vq.common.skeleton), once on a loop of its own and
 then for each real loop through its command: the tokenizer's (``ddcl-vq train``), the prior's
 (``ddcl-vq prior train``) and the readout arms' (``ddcl-vq readout-study``).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddcl_vq.train.errors import Stopped
-from ddcl_vq.train.skeleton import TrainingRun, lr_schedule, metrics_records
+from ddcl_vq.common.errors import Stopped
+from ddcl_vq.common.skeleton import TrainingRun, lr_schedule, metrics_records
 
 from conftest import TINY
 
@@ -104,8 +104,8 @@ def test_lr_schedule():
 #: metrics line of step STEP is written: in the middle of that step, as a job scheduler's SIGTERM would
 INJECT = """
 import os, signal, sys
-from ddcl_vq.train import skeleton
-from ddcl_vq.eval.cli import main
+from ddcl_vq.common import skeleton
+from ddcl_vq.cli import main
 log = skeleton.TrainingRun.log
 def log_then_signal(self, step, record, *args, **kwargs):
     log(self, step, record, *args, **kwargs)
@@ -119,7 +119,7 @@ sys.exit(main({argv!r}))
 
 def command(argv, step=None, signum=None):
     code = INJECT.format(step=step, signum=int(signum), argv=list(argv)) if step else \
-        f"import sys; from ddcl_vq.eval.cli import main; sys.exit(main({list(argv)!r}))"
+        f"import sys; from ddcl_vq.cli import main; sys.exit(main({list(argv)!r}))"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

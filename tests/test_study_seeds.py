@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddcl_vq.eval.compare import ms_per_step
-from ddcl_vq.eval.study.aggregate import aggregate, mean_sd, mean_sd_table
-from ddcl_vq.eval.study.cli import main as study_main
-from ddcl_vq.eval.study.config import load_study
-from ddcl_vq.eval.study.report import headline
-from ddcl_vq.train.config import Config, ConfigError, load_config
+from ddcl_vq.studies.compare import ms_per_step
+from ddcl_vq.studies.aggregate import aggregate, mean_sd, mean_sd_table
+from ddcl_vq.studies.cli import main as study_main
+from ddcl_vq.studies.config import load_study
+from ddcl_vq.studies.report import headline
+from ddcl_vq.tokenizer.config import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = ROOT / "configs" / "study_headline.yaml"
@@ -291,8 +291,8 @@ def test_a_moved_run_directory_is_the_same_run_and_another_config_is_an_error(tm
     """check_run_dir: a run whose config.yaml differs from the arm's only in the path it was written
     under (a study directory moved or copied) is the arm's run; any other difference is an error
     that names the key."""
-    from ddcl_vq.eval.study.run import StudyError, check_run_dir
-    from ddcl_vq.train.config import dump_config
+    from ddcl_vq.studies.run import StudyError, check_run_dir
+    from ddcl_vq.tokenizer.config import dump_config
 
     arm = load_study(HEADLINE, out=tmp_path / "moved").arms[0]
     run_dir = Path(arm.config.run.dir)

@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from ddcl_vq.eval import cli
-from ddcl_vq.eval.evaluate import load_run
-from ddcl_vq.eval.use.decode import decode_indices
-from ddcl_vq.eval.use.export import export_run
-from ddcl_vq.eval.use.files import index_dtype, read_tokens
-from ddcl_vq.eval.use.tokenize_split import tokenize_run
+from ddcl_vq import cli
+from ddcl_vq.tokenizer.evaluate import load_run
+from ddcl_vq.tokenizer.decode import decode_indices
+from ddcl_vq.tokenizer.export import export_run
+from ddcl_vq.tokenizer.tokens import index_dtype, read_tokens
+from ddcl_vq.tokenizer.tokenize import tokenize_run
 from ddcl_vq.models import VQVAE
-from ddcl_vq.train.builders import quantizer_kwargs
-from ddcl_vq.train.config import load_config
-from ddcl_vq.train.data import build_dataset
-from ddcl_vq.train.loop import train
+from ddcl_vq.tokenizer.builders import quantizer_kwargs
+from ddcl_vq.tokenizer.config import load_config
+from ddcl_vq.common.data import build_dataset
+from ddcl_vq.tokenizer.train import train
 from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_export_then_from_pretrained_reproduces_the_run_bit_for_bit(runs, images
         (run_model.quantizer.temperature, "cosine", 6)
 
     config = json.loads((out / "config.json").read_text())
-    # the constructor arguments are the run's resolved config, as train/builders.py maps it
+    # the constructor arguments are the run's resolved config, as ddcl_vq/tokenizer/builders.py maps it
     assert config["quantizer_kwargs"] == quantizer_kwargs(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps)
     assert config["quantizer_kwargs"]["decay"] == 0.8 and config["quantizer_kwargs"]["revive_threshold"] == 0.05
     assert config["quantizer_state"]["schedule_step"] == 6
@@ -357,12 +357,12 @@ def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exp
     for name in ("config.json", "model.safetensors"):
         (snapshot / name).write_bytes((exported / name).read_bytes())
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "ddcl_vq.eval", "tokenize", "me/tiny-ddcl", "--split", "test",
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq", "tokenize", "me/tiny-ddcl", "--split", "test",
                            "--max-images", "20", "--out", str(tmp_path / "hub.npy"), "--quiet"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr
     assert np.array_equal(np.load(tmp_path / "hub.npy"), a)
-    done = subprocess.run([sys.executable, "-m", "ddcl_vq.eval", "decode", "me/not-there", str(tmp_path / "hub.npy"),
+    done = subprocess.run([sys.executable, "-m", "ddcl_vq", "decode", "me/not-there", str(tmp_path / "hub.npy"),
                            "--out", str(tmp_path / "g.png")], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     err = done.stderr.strip().splitlines()
@@ -371,8 +371,8 @@ def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exp
 
 
 def test_init_from_starts_a_new_run_from_an_export_and_refuses_another_shape(exported, tmp_path, capsys):
-    from ddcl_vq.train.builders import build_model
-    from ddcl_vq.train.init_from import NEW_RUN_STATE, init_from_export
+    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.init_from import NEW_RUN_STATE, init_from_export
 
     cfg = load_config(ROOT / CONFIGS["ddcl"], TINY + [f"run.dir={tmp_path / 'ft'}", f"train.init_from={exported}",
                                                        "train.steps=2", "quantizer.temperature_schedule=constant"])

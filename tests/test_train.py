@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from ddcl_vq.models import VQVAE
-from ddcl_vq.train import data as data_module
-from ddcl_vq.train.builders import build_model
-from ddcl_vq.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from ddcl_vq.train.cli import main as train_main
-from ddcl_vq.train.config import RENAMED, Config, ConfigError, load_config
-from ddcl_vq.train.data import DataUnavailable, build_dataset, fashion_mnist_arrays
-from ddcl_vq.train.loop import train
+from ddcl_vq.common import data as data_module
+from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.config import RENAMED, Config, ConfigError, load_config
+from ddcl_vq.common.data import DataUnavailable, build_dataset, fashion_mnist_arrays
+from ddcl_vq.tokenizer.train import train
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_resume_equals_straight_run(tiny_config, tmp_path):
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "ddcl_vq.train", "--config", "configs/fashion_hard.yaml", "--quiet",
+    args = [sys.executable, "-m", "ddcl_vq", "train", "--config", "configs/fashion_hard.yaml", "--quiet",
             f"run.dir={run}", "train.steps=400", "train.checkpoint_every=2", *TINY_MODEL, "model.num_res_blocks=2",
             "quantizer.num_codes=32", "data.batch_size=32", "train.eval_images=64"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -198,7 +198,7 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
 
 
 def test_rho_warning_for_ddcl_codebook_trained_by_gradient(tiny_config):
-    from ddcl_vq.train.builders import build_optimizer
+    from ddcl_vq.tokenizer.builders import build_optimizer
     cfg = tiny_config("train.codebook_lr_ratio=1.0", "quantizer.codebook_update=gradient")
     with pytest.warns(UserWarning, match="timescale"):
         build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
@@ -208,7 +208,7 @@ def test_rho_warning_for_ddcl_codebook_trained_by_gradient(tiny_config):
 
 
 def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
-    from ddcl_vq.train.builders import build_optimizer
+    from ddcl_vq.tokenizer.builders import build_optimizer
     cfg = tiny_config("train.codebook_lr_ratio=1.0")             # the default: M-step codebook
     model = build_model(cfg, 1)
     opt = build_optimizer(model, cfg.train, "ddcl")
@@ -250,8 +250,8 @@ def test_config_defaults_are_the_library_defaults():
 
     from ddcl_vq import DDCLQuantizer
     from ddcl_vq.models import Decoder, Encoder
-    from ddcl_vq.train.builders import build_quantizer, quantizer_kwargs
-    from ddcl_vq.train.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
+    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
+    from ddcl_vq.tokenizer.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
 
     cfg = Config()
     for qtype, cls in QUANTIZER_CLASSES.items():
@@ -281,8 +281,8 @@ def test_config_choices_are_what_the_quantizers_accept():
     """Each allowed value of a quantizer.* key builds the quantizer, and the first value outside
     the choices is refused by the config with the key's name (the choices are the library's tuples)."""
     from ddcl_vq.models.vqvae import QUANTIZER_TYPES
-    from ddcl_vq.train.builders import build_quantizer
-    from ddcl_vq.train.config import CHOICES
+    from ddcl_vq.tokenizer.builders import build_quantizer
+    from ddcl_vq.tokenizer.config import CHOICES
 
     assert CHOICES["quantizer.type"] == tuple(QUANTIZER_TYPES)
     keys = [k for k in CHOICES if k.startswith("quantizer.") and k != "quantizer.type"]
@@ -305,7 +305,7 @@ def test_automatic_threads_use_the_idle_cores_and_the_setting_is_checked():
 
     import torch
 
-    from ddcl_vq.train.threads import AUTO_MAX, auto_threads, busy_cpus, set_threads, usable_cpus
+    from ddcl_vq.common.threads import AUTO_MAX, auto_threads, busy_cpus, set_threads, usable_cpus
 
     assert auto_threads({"OMP_NUM_THREADS": "3"}, cores=64)[0] == 3
     assert auto_threads({"LOCAL_WORLD_SIZE": "2"}, cores=16) == (1, "one per process, 2 processes on this machine")
@@ -340,7 +340,7 @@ def test_printed_hints_work_from_any_folder():
     path (the folder of the running Python) and the run directory absolutely."""
     import shlex
 
-    from ddcl_vq.train.loop import format_summary
+    from ddcl_vq.tokenizer.train import format_summary
 
     text = format_summary({"step": 3, "train_seconds": 1.0}, Path("runs") / "x")
     tb = shlex.split(next(l for l in text.splitlines() if l.startswith("TensorBoard: ")).split(": ", 1)[1])

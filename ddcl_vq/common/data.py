@@ -1,0 +1,437 @@
+"""Datasets: Fashion-MNIST (default), MNIST, CIFAR-10, any image folder, natural patches, digits.
+
+Every dataset yields (image, label) with image a float tensor in [0, 1] of shape
+(C, S, S); labels are -1 where a dataset has none. Train and test splits never share
+images (natural patches: different photographs, chosen by data.train_photos / data.test_photos).
+"""
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ddcl_vq.common.errors import one_line
+from ddcl_vq.common.settings import ConfigError
+from ddcl_vq.common.dataerrors import CHECK_HINT, DataUnavailable, UnreadableImage, three_channels as _three_channels
+
+DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+SPLITS = ("train", "test")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    magic = int.from_bytes(data[:4], "big")
+    ndim = magic & 0xFF
+    if magic >> 8 != 0x08 or ndim not in (1, 3):
+        raise DataUnavailable(f"{path}: expected an IDX file of unsigned bytes, got magic {magic:#x}")
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if arr.size != int(np.prod(dims)):
+        raise DataUnavailable(f"{path}: truncated IDX file (expected {int(np.prod(dims))} values, got {arr.size})")
+    return arr.reshape(dims)
+
+
+def fashion_mnist_arrays(split: str, root: str | os.PathLike = "data", download: bool = True
+                         ) -> Tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST as uint8 images (N, 28, 28) and int64 labels (N,).
+
+    Looks in order: $DDCL_VQ_FASHION_DIR, the Debian package's files under
+    /usr/share/datasets/fashion-mnist/, torchvision's copy under ``root`` (downloading it
+    when ``download``). When none works, one DataUnavailable error names both ways.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    prefix = "train" if split == "train" else "t10k"
+    dirs = [Path(os.environ["DDCL_VQ_FASHION_DIR"])] if os.environ.get("DDCL_VQ_FASHION_DIR") else []
+    for d in dirs + [DEBIAN_FASHION_DIR]:
+        img, lab = d / f"{prefix}-images-idx3-ubyte.gz", d / f"{prefix}-labels-idx1-ubyte.gz"
+        if img.exists() and lab.exists():
+            return _read_idx(img), _read_idx(lab).astype(np.int64)
+    try:
+        from torchvision.datasets import FashionMNIST
+        ds = FashionMNIST(str(root), train=split == "train", download=download)
+        return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
+    except Exception as err:  # noqa: BLE001 - any failure means: not available here
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        tried = (f"let torchvision download it into {Path(root) / 'FashionMNIST'} (needs internet; failed: {reason})"
+                 if download else
+                 f"put torchvision's copy in {Path(root) / 'FashionMNIST'} (not there: {reason}), or let torchvision "
+                 "download it there with data.download=true (needs internet)")
+        raise DataUnavailable(
+            f"Fashion-MNIST not found: install the Debian package (apt-get install dataset-fashion-mnist, "
+            f"files in {DEBIAN_FASHION_DIR}) or {tried}") from None
+
+
+class TensorImageDataset(Dataset):
+    """In-memory images: uint8 (N, C, H, W) stored, float [0, 1] served."""
+
+    def __init__(self, images: Tensor, labels: Tensor, image_size: int):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        h, w = images.shape[-2:]
+        if h > image_size or w > image_size:
+            raise ValueError(f"expected images no larger than image_size={image_size}, got {h}x{w}")
+        top, left = (image_size - h) // 2, (image_size - w) // 2
+        self.images = F.pad(images, (left, image_size - w - left, top, image_size - h - top))
+        self.labels = labels.long()
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, i):
+        """One image and label for an int ``i``; a whole batch (B, C, S, S), (B,) for a list of indices
+        (one indexing op: what :func:`make_loader` asks of an in-memory dataset)."""
+        return self.images[i].float().div_(255.0), self.labels[i]
+
+
+# Photographs that scikit-image ships in its wheel (load offline). Test photographs are
+# different pictures from training ones, so patches never leak across the split.
+NATURAL_TRAIN_PHOTOS = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
+NATURAL_TEST_PHOTOS = ("chelsea", "stereo_motorcycle")
+#: every photograph data.train_photos / data.test_photos may name: those scikit-image's wheel ships
+#: (they load offline; its loaders that download, e.g. brain or eagle, are left out), colour ones, then
+#: grey ones (served as three equal channels). ``cat`` is left out: it is the same picture as ``chelsea``.
+COLOUR_PHOTOS = ("astronaut", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina", "rocket",
+                 "stereo_motorcycle")
+GREY_PHOTOS = ("brick", "camera", "cell", "clock", "coins", "grass", "gravel", "moon", "page", "text")
+PHOTOGRAPHS = COLOUR_PHOTOS + GREY_PHOTOS
+
+
+def check_photos(train_photos: Sequence[str], test_photos: Sequence[str]) -> None:
+    """ConfigError unless both lists are non-empty, name only :data:`PHOTOGRAPHS`, each once, and
+    share no photograph (a photograph in both would leak its patches from training into the test)."""
+    for key, names in (("data.train_photos", train_photos), ("data.test_photos", test_photos)):
+        if not names:
+            raise ConfigError(f"config key {key!r}: expected at least one photograph, got []")
+        unknown = [n for n in names if n not in PHOTOGRAPHS]
+        if unknown:
+            raise ConfigError(f"config key {key!r}: unknown photograph {unknown[0]!r}; expected names from "
+                              f"{', '.join(PHOTOGRAPHS)}")
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        if twice:
+            raise ConfigError(f"config key {key!r}: expected each photograph once, got {', '.join(twice)} twice")
+    both = [n for n in train_photos if n in test_photos]
+    if both:
+        raise ConfigError(f"config keys 'data.train_photos' and 'data.test_photos' share {', '.join(both)}: a test "
+                          "photograph must not be a training one (its patches would leak into the test)")
+
+
+def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
+                    train_photos: Sequence[str] = NATURAL_TRAIN_PHOTOS,
+                    test_photos: Sequence[str] = NATURAL_TEST_PHOTOS) -> TensorImageDataset:
+    """Colour patches (3, size, size) cut at random (seeded) positions from scikit-image's photographs: ``train_photos``
+    for the train split, ``test_photos`` for the test split (grey photographs as three equal channels)."""
+    import skimage.data
+    check_photos(train_photos, test_photos)
+    names = train_photos if split == "train" else test_photos
+    gen = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
+    patches = []
+    for name in names:
+        img = getattr(skimage.data, name)()
+        img = img[0] if isinstance(img, tuple) else img
+        img = np.repeat(img[..., None], 3, axis=2) if img.ndim == 2 else img  # a grey photograph
+        photo = torch.from_numpy(np.ascontiguousarray(img[..., :3])).permute(2, 0, 1)  # (3, H, W) uint8
+        h, w = photo.shape[1:]
+        if h < size or w < size:
+            raise ConfigError(f"config key 'data.image_size': photograph {name!r} is {h}x{w}, smaller than the "
+                              f"{size}x{size} patches asked")
+        n = per_image if split == "train" else max(1, per_image // 4)
+        ys = torch.randint(0, h - size + 1, (n,), generator=gen)
+        xs = torch.randint(0, w - size + 1, (n,), generator=gen)
+        patches += [photo[:, y:y + size, x:x + size] for y, x in zip(ys.tolist(), xs.tolist())]
+    images = torch.stack(patches)
+    return TensorImageDataset(images, torch.full((len(images),), -1), size)
+
+
+def _torchvision_dataset(name: str, split: str, root: str, download: bool, image_size: int) -> TensorImageDataset:
+    from torchvision import datasets
+    cls = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[name]
+    try:
+        ds = cls(root, train=split == "train", download=download)
+    except Exception as err:  # noqa: BLE001
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if download:
+            raise DataUnavailable(f"{name}: not found under {root!r} and torchvision could not download it "
+                                  f"({reason}); put the files there or run with internet") from None
+        raise DataUnavailable(f"{name}: not found under {root!r} ({reason}); put the files there, or let torchvision "
+                              "download them with data.download=true (needs internet)") from None
+    data = torch.as_tensor(ds.data)
+    images = data[:, None] if data.dim() == 3 else data.permute(0, 3, 1, 2)
+    if images.shape[-1] > image_size:
+        raise DataUnavailable(f"{name}: images are {images.shape[-1]}px, expected data.image_size >= that, "
+                              f"got {image_size}")
+    return TensorImageDataset(images.contiguous(), torch.as_tensor(ds.targets), image_size)
+
+
+class UnfaithfulImage(ValueError):
+    """An image whose pixel values cannot be mapped to [0, 1] without guessing (see :func:`open_image`)."""
+
+
+#: 16-bit unsigned modes Pillow opens (PNG, TIFF): full scale 65535
+_MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def open_image(path: str):
+    """An image file as a PIL image that torchvision's transforms turn into [0, 1] values faithfully: 8-bit images (and
+    any mode Pillow converts without loss of scale) as ``RGB``, as torchvision's default loader does; high-bit-depth
+    grey images as a float image (mode ``F``) in [0, 1]: 16-bit (``I;16``) divided by 65535, 32-bit integers (``I``)
+    likewise when they lie in 0..65535 (a 16-bit image in a 32-bit container), float images (``F``) when they lie in [0,
+    1]. Anything else (``I`` beyond 16 bits, floats outside [0, 1], signed 16-bit) is an :class:`UnfaithfulImage`:
+    converting it means guessing its scale (Pillow's RGB conversion clips such images to white)."""
+    from PIL import Image
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        mode = img.mode
+        if mode in _MODES_16BIT:
+            values = np.asarray(img, dtype=np.float64) / 65535.0
+        elif mode in ("I", "F"):
+            values = np.asarray(img, dtype=np.float64)
+            lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+            if not np.isfinite(values).all():
+                raise UnfaithfulImage(f"{mode} image with non-finite values; cannot map it to [0, 1]")
+            if not (lo >= 0 and hi <= (65535 if mode == "I" else 1)):
+                scale = "32-bit integer" if mode == "I" else "floating-point"
+                expected = "0..65535 (16 bits)" if mode == "I" else "[0, 1]"
+                raise UnfaithfulImage(f"{scale} image (mode {mode}) with values {lo:g}..{hi:g}, expected "
+                                      f"{expected}; its scale would be a guess (save it as 8- or 16-bit)")
+            values = values / 65535.0 if mode == "I" else values
+        elif mode.startswith("I;16"):
+            raise UnfaithfulImage(f"image mode {mode} (signed or packed 16-bit) has no known [0, 1] scale; save it "
+                                  "as unsigned 8- or 16-bit")
+        else:
+            return img.convert("RGB")
+    return Image.fromarray(values.astype(np.float32), mode="F")
+
+
+class ImageFiles(Dataset):
+    """torchvision's ImageFolder (``folder/<class>/<image>``) whose read errors name the file;
+    images are read by :func:`open_image` (16-bit images keep their scale)."""
+
+    def __init__(self, folder: Path, image_size: int):
+        from torchvision import datasets, transforms
+        tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                                 transforms.ToTensor(), _three_channels])
+        try:
+            self.folder = datasets.ImageFolder(str(folder), transform=tf, loader=open_image)
+        except (FileNotFoundError, NotADirectoryError) as err:  # no class folder, or an empty one
+            raise DataUnavailable(f"image_folder {str(folder)!r}: {one_line(err)} (expected class folders of "
+                                  "images, as torchvision's ImageFolder reads)") from None
+        self.samples = self.folder.samples
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.folder[i]
+        except Exception as err:  # noqa: BLE001 - PIL raises several types for a bad file
+            raise UnreadableImage(f"image {self.samples[i][0]!r} cannot be read ({type(err).__name__}: "
+                                  f"{one_line(err)}); replace or remove it ({CHECK_HINT})") from None
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        """(path, reason) for every file that cannot be decoded or converted to [0, 1] faithfully
+        (each one is read in full)."""
+        bad = []
+        for path, _ in self.samples:
+            try:
+                self.folder.loader(path).load()
+            except Exception as err:  # noqa: BLE001
+                bad.append((path, f"{type(err).__name__}: {one_line(err)}"))
+        return bad
+
+
+def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
+    """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
+    if split not in SPLITS:
+        raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    dataset = _build(data_cfg, split, seed)
+    if len(dataset) == 0:
+        where = f" under {str(Path(data_cfg.root) / split)!r}" if data_cfg.name == "image_folder" else ""
+        raise DataUnavailable(f"{data_cfg.name}: the {split} split has no images{where}")
+    return dataset
+
+
+def _build(data_cfg, split: str, seed: int) -> Dataset:
+    name = data_cfg.name
+    if name == "fashion_mnist":
+        if data_cfg.image_size < 28:
+            raise ConfigError(f"config key 'data.image_size': fashion_mnist images are 28x28 and are padded, not "
+                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
+        images, labels = fashion_mnist_arrays(split, data_cfg.root, data_cfg.download)
+        return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
+                                  data_cfg.image_size)
+    if name in ("mnist", "cifar10"):
+        return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
+    if name == "image_folder":
+        folder = Path(data_cfg.root) / split
+        if not folder.is_dir():
+            raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
+                                  f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
+        folder = ImageFiles(folder, data_cfg.image_size)
+        if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
+            from ddcl_vq.common.augment import CropFlip  # seeded random-resized crop + flip (the test split: centre crop)
+            return CropFlip(folder, data_cfg.image_size, seed)
+        return folder
+    if name == "natural_patches":
+        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
+                               getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
+                               getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
+    if name == "digits":
+        if data_cfg.image_size < 28:
+            raise ConfigError(f"config key 'data.image_size': digits are upsampled to 28x28 and padded, not "
+                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
+        images, labels = digits_arrays(split)
+        return TensorImageDataset(torch.from_numpy(images)[:, None], torch.from_numpy(labels), data_cfg.image_size)
+    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, digits, "
+                     f"got {name!r}")
+
+
+#: digits: the first DIGITS_TRAIN of the 1,797 images are the train split, the other 500 the test split
+DIGITS_TRAIN = 1297
+
+
+def _digits_file() -> Optional[Path]:
+    """scikit-learn's copy of the UCI digits (sklearn/datasets/data/digits.csv.gz), found without
+    importing scikit-learn (slow); None when it is not installed or keeps the file elsewhere."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
+
+
+def digits_arrays(split: str) -> Tuple[np.ndarray, np.ndarray]:
+    """The UCI handwritten digits that scikit-learn ships in its wheel (offline; ``load_digits``:
+    1,797 images 8x8, 17 grey levels 0..16, white ink on black like MNIST) as uint8 images
+    (N, 28, 28), upsampled bilinearly (values x 255/16, rounded), and int64 labels (N,). Train: the
+    first 1,297 images; test: the last 500. Needs scikit-learn (``pip install scikit-learn``)."""
+    if split not in SPLITS:
+        raise ValueError(f"expected split in {SPLITS}, got {split!r}")
+    path = _digits_file()
+    if path is not None:
+        table = np.loadtxt(path, delimiter=",")
+        pixels, labels = table[:, :-1].reshape(-1, 8, 8), table[:, -1]
+    else:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            raise DataUnavailable("digits: the UCI handwritten digits ship inside scikit-learn's wheel, which is not "
+                                  "installed; pip install scikit-learn") from None
+        found = load_digits()
+        pixels, labels = found.images, found.target
+    part = slice(0, DIGITS_TRAIN) if split == "train" else slice(DIGITS_TRAIN, None)
+    x = torch.from_numpy(np.ascontiguousarray(pixels[part], dtype=np.float32))[:, None] / 16.0
+    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    images = (x[:, 0] * 255.0).round().clamp_(0, 255).to(torch.uint8).numpy()
+    return images, np.ascontiguousarray(labels[part], dtype=np.int64)
+
+
+def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]]]:
+    """Read every image of both splits (an image folder: each file decoded in full).
+    -> (one line per split saying how many images, (path, reason) for every unreadable file)."""
+    report, bad = [], []
+    for split in SPLITS:
+        dataset = build_dataset(data_cfg, split, seed)
+        if isinstance(dataset, ImageFiles) or hasattr(dataset, "unreadable"):
+            bad += dataset.unreadable()
+        report.append(f"{data_cfg.name} {split}: {len(dataset)} images")
+    return report, bad
+
+
+def image_channels(data_cfg) -> int:
+    return 1 if data_cfg.name in ("fashion_mnist", "mnist", "digits") else 3
+
+
+class EpochBatches:
+    """Deterministic batches of dataset indices for one process.
+
+    Epoch e's order is randperm(n) from a generator seeded with (seed, e), cut into global batches of ``global_batch``
+    (the remainder is dropped); process r of w takes rows [r·b, (r+1)·b) of each global batch, b = global_batch / w.
+    ``start_step`` skips ahead without touching data, so a resumed run sees exactly the batches a straight run would.
+    """
+
+    def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
+        if global_batch % world:
+            raise ConfigError(f"config key 'data.batch_size': expected a multiple of the number of processes "
+                              f"({world}), got {global_batch}")
+        if n < global_batch:
+            raise DataUnavailable(f"the train split has {n} images, fewer than one batch (data.batch_size="
+                                  f"{global_batch}); lower data.batch_size or add images")
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.rank, self.world, self.step = rank, world, start_step
+        self.per_epoch = n // global_batch
+
+    def __iter__(self):
+        local = self.global_batch // self.world
+        while True:
+            epoch, offset = divmod(self.step, self.per_epoch)
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+            for b in range(offset, self.per_epoch):
+                batch = order[b * self.global_batch:(b + 1) * self.global_batch]
+                self.step += 1
+                yield batch[self.rank * local:(self.rank + 1) * local].tolist()
+
+
+# ----------------------------------------------------------------------------- loading batches
+def in_memory(dataset: Dataset) -> bool:
+    """True for a :class:`TensorImageDataset` (or a Subset of one): uint8 images in memory that a
+    list of indices gathers as one batch."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return isinstance(dataset, TensorImageDataset)
+
+
+def resolve_workers(data_cfg, dataset: Dataset) -> int:
+    """``data.num_workers``, or when it is null (auto): 0 for in-memory datasets (Fashion-MNIST, MNIST, CIFAR-10,
+    natural patches: a batch is one indexing op, workers would only add copies between processes), min(4, half the
+    cores, at least 1) for an image folder, where every image is a file to decode."""
+    if data_cfg.num_workers is not None:
+        return int(data_cfg.num_workers)
+    if in_memory(dataset):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return min(4, max(1, cores // 2))
+
+
+def make_loader(dataset: Dataset, batches: Iterable[List[int]], num_workers: int = 0,
+                device: torch.device | str = "cpu") -> DataLoader:
+    """A DataLoader of (images, labels) batches, one per index list of ``batches`` (in that order).
+
+    In-memory datasets are indexed with the whole list (one gather and one conversion per batch,
+    no per-image Python calls); others per image and collated. ``num_workers`` > 0 loads in worker
+    processes, which stay alive between passes; on CUDA batches come in pinned memory (copy them
+    with ``non_blocking=True``). The batches are the same with any number of workers."""
+    cuda = torch.device(device).type == "cuda"
+    options = dict(num_workers=num_workers, pin_memory=cuda, persistent_workers=num_workers > 0)
+    if hasattr(dataset, "tag_batches"):  # ddcl_vq/common/augment.py: draws seeded by (epoch, index)
+        batches = dataset.tag_batches(batches)
+    if in_memory(dataset):
+        return DataLoader(dataset, sampler=batches, batch_size=None, **options)
+    return DataLoader(dataset, batch_sampler=batches, **options)
+
+
+class SequentialBatches:
+    """Index lists [0, b), [b, 2b), … over ``n`` items (the last one shorter): an evaluation pass."""
+
+    def __init__(self, n: int, batch_size: int):
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def __iter__(self):
+        for start in range(0, self.n, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.n)))

@@ -1,0 +1,370 @@
+"""Typed settings: one way to declare and validate the settings of every command.
+
+Settings are dataclass fields (name, type, default). Values come from YAML mappings and dotted overrides (the training
+config, :mod:`ddcl_vq.tokenizer.config`; the study file, :mod:`ddcl_vq.studies.config`) or from command-line options
+(each command's options dataclass, read by :class:`Options`); either way they are checked by the same code:
+
+- an unknown key is an error naming the key and the nearest valid one;
+- a value of the wrong type is an error naming the key, what was expected and what came;
+- :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every value is in.
+
+Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.common.errors.UserError`, which the commands print as one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import re
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from ddcl_vq.common.errors import DEBUG_FLAG, UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A setting's key or value is invalid; the message names the setting."""
+
+
+def config_key(key: str) -> str:
+    """How errors name a key of a config file: ``config key 'train.lr'``."""
+    return f"config key {key!r}"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Constraints beyond the type, keyed by dotted setting name (list values: every element)."""
+
+    choices: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    positive: AbstractSet[str] = frozenset()       # > 0
+    non_negative: AbstractSet[str] = frozenset()   # >= 0
+
+
+# ----------------------------------------------------------------------------- keys
+def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """(dotted name, value) for every leaf setting of a dataclass instance (nested dataclasses walked)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value
+
+
+def keys_of(obj: Any, prefix: str = "") -> List[str]:
+    """The dotted names of every leaf setting of a dataclass instance."""
+    return [key for key, _ in leaves(obj, prefix)]
+
+
+def nearest(key: str, candidates: Sequence[str]) -> str:
+    """The valid key closest to ``key``: one with the same last part if that part is close, else
+    the closest whole key (so a key in the wrong section points to the right one)."""
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+    leaf = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in candidates], n=1, cutoff=0.6)
+    if leaf:
+        match = [k for k in candidates if k == leaf[0] or k.endswith("." + leaf[0])][:1] or match
+    return match[0] if match else "?"
+
+
+def close_key(key: str, candidates: Sequence[str]) -> Optional[str]:
+    """A valid key close enough to ``key`` to be what was meant, or None: one whose last part is close to ``key``'s last
+    part (in ``key``'s section first: a key in the wrong section points to the right one), else one close as a whole."""
+    leaf = key.split(".")[-1]
+    close = difflib.get_close_matches(leaf, sorted({k.split(".")[-1] for k in candidates}), n=1, cutoff=0.6)
+    if close:
+        section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        same = [k for k in candidates if k.split(".")[-1] == close[0]]
+        return ([k for k in same if section and k.startswith(section)] or same)[0]
+    whole = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.8)
+    return whole[0] if whole else None
+
+
+def did_you_mean(key: str, candidates: Sequence[str]) -> str:
+    """What an unknown-key error suggests: the close key (``did you mean 'model.channels'?``), else
+    the valid keys of ``key``'s section, else the sections — never a far-off key."""
+    match = close_key(key, candidates)
+    if match:
+        return f"did you mean {match!r}?"
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    depth = key.count(".")
+    same = [k.split(".")[-1] for k in candidates if section and k.startswith(section + ".") and k.count(".") == depth]
+    if same:
+        return f"no key is close; the keys of {section!r} are {', '.join(same)}"
+    tops = sorted({k.split(".")[0] for k in candidates})
+    return f"no key is close; the sections are {', '.join(tops)}" if tops else "no key is close"
+
+
+# ----------------------------------------------------------------------------- values
+#: a float in YAML 1.2 and Python that PyYAML (YAML 1.1) reads as a string: 1e-3, 1e+9, 2E5, 1.0e3
+_FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
+
+#: the largest integer a float holds exactly: 1e3 is read as 1000 for an int setting, 1e300 is not
+_EXACT_INT = 2 ** 53
+
+
+def _whole(value: Any) -> Optional[int]:
+    """The int a float, or float text such as '1e3' (what YAML 1.1 reads as a string), stands for when it is
+    a whole number a float holds exactly; None otherwise."""
+    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        value = float(value)
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT else None
+
+
+def _optional(annotation: Any) -> Tuple[Any, bool]:
+    """(the type inside Optional[...], whether None is allowed)."""
+    if typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]), True
+    return annotation, False
+
+
+def type_name(annotation: Any) -> str:
+    annotation, _ = _optional(annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, List):
+        return f"a list of {type_name(args[0])}" if args and args[0] is not Any else "a list"
+    if origin in (dict, Dict) or annotation is dict or dataclasses.is_dataclass(annotation):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = config_key) -> Any:
+    """``value`` checked against ``annotation`` (bool, int, float, str, Any, Optional, List[...],
+    Dict[str, ...], a dataclass); ints are accepted for floats. Returns the typed value."""
+    annotation, nullable = _optional(annotation)
+    if value is None and nullable:
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if annotation in (bool, str):
+        if isinstance(value, annotation):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if _whole(value) is not None:
+            return _whole(value)  # 1e3 or 1000.0: the learning-rate notation, for a count
+        if isinstance(value, float) or (isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
+            raise ConfigError(f"{name(key)}: expected an integer, got {value!r} (not a whole number"
+                              f"{', or too large to be exact' if abs(float(value)) > _EXACT_INT else ''})")
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)  # 1e-3: YAML 1.1 makes it a string, people write learning rates so
+    elif origin in (list, List) or annotation is list:
+        if isinstance(value, list):
+            inner = args[0] if args else Any
+            return [coerce(f"{key}[{i}]", v, inner, name) for i, v in enumerate(value)]
+    elif origin in (dict, Dict) or annotation is dict:
+        if isinstance(value, dict):
+            inner = args[1] if len(args) == 2 else Any
+            return {k: coerce(f"{key}.{k}", v, inner, name) for k, v in value.items()}
+    elif dataclasses.is_dataclass(annotation):
+        if isinstance(value, dict):
+            obj = annotation()
+            apply(obj, value, prefix=key + ".", name=name, candidates=[f"{key}.{k}" for k in keys_of(obj)])
+            return obj
+    else:  # pragma: no cover - schemas use only the types above
+        return value
+    raise ConfigError(f"{name(key)}: expected {type_name(annotation)}, got {value!r} ({type(value).__name__})")
+
+
+def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = config_key,
+          candidates: Optional[Sequence[str]] = None, unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
+    """Set the fields of dataclass ``obj`` from the mapping ``raw`` (nested mappings into nested
+    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s);
+    ``unknown``: the error for an unknown key, when it needs more than naming the nearest valid one."""
+    if not isinstance(raw, dict):
+        where = name(prefix.rstrip(".")) if prefix else "the settings"
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    candidates = [prefix + k for k in keys_of(obj)] if candidates is None else candidates
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for field_name, value in raw.items():
+        key = prefix + str(field_name)
+        if field_name not in names:
+            if unknown is not None:
+                raise unknown(key)
+            raise ConfigError(f"unknown {name(key)}; {did_you_mean(key, candidates)}")
+        current = getattr(obj, field_name)
+        if dataclasses.is_dataclass(current):
+            apply(current, value, prefix=key + ".", name=name, candidates=candidates, unknown=unknown)
+        else:
+            setattr(obj, field_name, coerce(key, value, hints[field_name], name))
+
+
+def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> None:
+    """Check every leaf of ``obj`` against ``rules`` (None passes: it means "not set")."""
+    for key, value in leaves(obj):
+        items = value if isinstance(value, list) else [value]
+        items = [v for v in items if v is not None]
+        if key in rules.choices:
+            bad = [v for v in items if v not in rules.choices[key]]
+            if bad:
+                got = value if not isinstance(value, list) else bad
+                raise ConfigError(f"{name(key)}: expected one of {list(rules.choices[key])}, got {got!r}")
+        if key in rules.positive and not all(v > 0 for v in items):
+            raise ConfigError(f"{name(key)}: expected a value > 0, got {value!r}")
+        if key in rules.non_negative and not all(v >= 0 for v in items):
+            raise ConfigError(f"{name(key)}: expected a value >= 0, got {value!r}")
+
+
+def check_finite(obj: Any, name: Callable[[str], str] = config_key) -> None:
+    """ConfigError for a float leaf of ``obj`` that is inf or nan (never a setting)."""
+    for key, value in leaves(obj):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name(key)}: expected a finite number, got {value!r}")
+
+
+def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Callable[[str], str] = config_key):
+    """``cls()`` with ``raw`` applied and ``rules`` checked."""
+    obj = cls()
+    apply(obj, dict(raw), name=name)
+    check(obj, rules, name)
+    return obj
+
+
+# ----------------------------------------------------------------------------- command-line options
+def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, flag: Optional[str] = None,
+           metavar: Optional[str] = None, nargs: Any = None, sep: Optional[str] = None, positional: bool = False,
+           hidden: bool = False, default_text: Optional[str] = None) -> Any:
+    """A field of a command's options dataclass.
+
+    ``flag``: the option string (default ``--`` + the name with ``-`` for ``_``); ``positional``: an argument without a
+    flag; ``nargs``: as argparse; ``sep``: a list given as one value split at ``sep`` (``--arms mean,ddcl``);
+    ``default_text``: how --help states the default when the value alone would not say it; ``hidden``: left out of
+    --help. A bool field is a switch. A field without a default is a required option.
+    """
+    meta = dict(help=help, flag=flag, metavar=metavar, nargs=nargs, sep=sep, positional=positional, hidden=hidden,
+                default_text=default_text)
+    return field(default=default, default_factory=default_factory, metadata={"option": meta})
+
+
+def _fmt(value: Any, sep: Optional[str] = None) -> str:
+    return (sep or " ").join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+
+
+class Options:
+    """A command's options: ``cls`` is a dataclass whose fields are declared with :func:`option`.
+
+    ``presets``: ``{switch: {field: value}}`` — values a switch (e.g. ``quick``) sets unless the
+    same option is given explicitly. ``parse(argv)`` returns a validated ``cls`` instance.
+    """
+
+    def __init__(self, cls: type, *, prog: str, description: str = "", epilog: Optional[str] = None,
+                 rules: Rules = Rules(), presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                 intermixed: bool = False):
+        self.cls, self.prog, self.description, self.epilog = cls, prog, description, epilog
+        self.rules, self.presets, self.intermixed = rules, dict(presets or {}), intermixed
+        self.hints = typing.get_type_hints(cls)
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def meta(self, name: str) -> Dict[str, Any]:
+        return self.fields[name.split("[")[0]].metadata.get("option", {})
+
+    def flag(self, name: str) -> str:
+        meta, name = self.meta(name), name.split("[")[0]
+        if meta.get("positional"):
+            return meta.get("metavar") or name
+        return meta.get("flag") or "--" + name.replace("_", "-")
+
+    def label(self, name: str) -> str:
+        """How errors name an option: ``option --max-seconds`` / ``argument RUN_DIR``."""
+        return f"{'argument' if self.meta(name).get('positional') else 'option'} {self.flag(name)}"
+
+    def _default(self, f: dataclasses.Field) -> Any:
+        return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+    def _help(self, name: str) -> str:
+        meta, f = self.meta(name), self.fields[name]
+        if meta.get("hidden"):
+            return argparse.SUPPRESS
+        text = meta.get("help", "")
+        parts = []
+        default = self._default(f)
+        if meta.get("default_text"):
+            parts.append(f"default: {meta['default_text']}")
+        elif not (default is MISSING or default is None or default is False or meta.get("positional")):
+            parts.append(f"default: {_fmt(default, meta.get('sep') or ',')}")
+        parts += [f"--{switch}: {_fmt(preset[name], meta.get('sep') or ',')}" for switch, preset in self.presets.items()
+                  if name in preset]
+        if parts:
+            text = f"{text} ({'; '.join(parts)})" if text else "; ".join(parts)
+        return text.replace("%", "%%")
+
+    def parser(self) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=self.prog, description=self.description, epilog=self.epilog,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        for name, f in self.fields.items():
+            meta = self.meta(name)
+            annotation, _ = _optional(self.hints[name])
+            kwargs: Dict[str, Any] = {"help": self._help(name)}
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+            elif name in self.rules.choices:
+                kwargs["metavar"] = "{" + ",".join(map(str, self.rules.choices[name])) + "}"
+            if meta.get("nargs") is not None:
+                kwargs["nargs"] = meta["nargs"]
+            if meta.get("positional"):
+                default = self._default(f)
+                if default is not MISSING:
+                    kwargs["default"] = default
+                p.add_argument(name, **kwargs)
+                continue
+            if annotation is bool:
+                kwargs.pop("metavar", None)
+                p.add_argument(self.flag(name), dest=name, action="store_true", default=argparse.SUPPRESS, **kwargs)
+            else:
+                required = self._default(f) is MISSING
+                p.add_argument(self.flag(name), dest=name, required=required, default=argparse.SUPPRESS, **kwargs)
+        # read (and removed from argv) by errors.entry_point; listed here so that --help shows it
+        p.add_argument(DEBUG_FLAG, dest="_debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the full traceback instead of one line")
+        return p
+
+    def _from_text(self, name: str, raw: Any) -> Any:
+        annotation, _ = _optional(self.hints[name])
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin in (list, List):
+            sep = self.meta(name).get("sep")
+            items = [s.strip() for s in raw.split(sep) if s.strip()] if sep and isinstance(raw, str) else list(raw)
+            if sep and isinstance(raw, str) and not items:  # --arms ',' is no selection, not "every arm"
+                raise ConfigError(f"{self.label(name)}: expected at least one value, got {raw!r}")
+            return [self._scalar(name, s, args[0] if args else str) for s in items]
+        return self._scalar(name, raw, annotation)
+
+    def _scalar(self, name: str, raw: Any, annotation: Any) -> Any:
+        if annotation in (bool, str, Any) or not isinstance(raw, str):
+            return raw
+        if annotation is int and _FLOAT_TEXT.fullmatch(raw.strip()):
+            return raw  # 1e3: coerce() reads it as 1000, or says why not
+        try:
+            return annotation(raw)
+        except ValueError:
+            raise ConfigError(f"{self.label(name)}: expected {type_name(annotation)}, got {raw!r}") from None
+
+    def parse(self, argv: Optional[Sequence[str]]) -> Any:
+        parser = self.parser()
+        ns = parser.parse_intermixed_args(argv) if self.intermixed else parser.parse_args(argv)
+        given = {k: v for k, v in vars(ns).items() if k != "_debug"}
+        values: Dict[str, Any] = {}
+        for switch, preset in self.presets.items():
+            if given.get(switch):
+                values.update(preset)
+        values.update({name: self._from_text(name, raw) for name, raw in given.items()})
+        return self.make(**values)
+
+    def make(self, **values: Any) -> Any:
+        """A validated ``cls`` instance from typed values (what ``parse`` does after reading argv)."""
+        obj = self.cls(**{k: coerce(k, v, self.hints[k], self.label) for k, v in values.items()})
+        for name in values:  # inf or nan is never a setting (--temperature inf); "no limit" options use 0 or None
+            items = getattr(obj, name) if isinstance(getattr(obj, name), list) else [getattr(obj, name)]
+            bad = [v for v in items if isinstance(v, float) and not math.isfinite(v)]
+            if bad:
+                raise ConfigError(f"{self.label(name)}: expected a finite number, got {bad[0]!r}")
+        check(obj, self.rules, self.label)
+        return obj

@@ -1,0 +1,154 @@
+"""What a prior trains on: token files (read by :mod:`ddcl_vq.tokenizer.tokens`) and the tokenizer
+that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.tokenizer.loaded`);
+:class:`PriorData` is what :func:`ddcl_vq.prior.train.train_prior` trains on."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from ddcl_vq.tokenizer.decode import check_indices
+from ddcl_vq.tokenizer.tokens import TokenFileError, read_tokens
+from ddcl_vq.prior.train import PriorDataError
+
+#: the most classes a class-conditional prior is built for (its class embedding has one row per class)
+MAX_CLASSES = 100_000
+
+
+@dataclass
+class Tokens:
+    """One token file in memory: codes (N, h, w) long, labels (N,) long or None."""
+
+    path: str
+    codes: torch.Tensor
+    labels: Optional[torch.Tensor]
+    metadata: Dict[str, str]
+
+    @property
+    def grid(self):
+        return tuple(self.codes.shape[1:])
+
+    def fingerprint(self) -> str:
+        """sha1 of the codes and labels: a resumed prior trains on the same data wherever the file is."""
+        h = hashlib.sha1(str(tuple(self.codes.shape)).encode())
+        h.update(self.codes.numpy().astype(np.int64).tobytes())
+        if self.labels is not None:
+            h.update(self.labels.numpy().astype(np.int64).tobytes())
+        return h.hexdigest()
+
+
+def load_tokens(path: str | Path, num_codes: int, what: str = "token file") -> Tokens:
+    """A token file's codes checked against K (and its metadata's num_codes, when it has one)."""
+    indices, labels, meta = read_tokens(path)
+    try:
+        indices = check_indices(indices, num_codes)
+    except TokenFileError as err:
+        raise PriorDataError(f"{what} {str(path)!r}: {err}") from None
+    if "num_codes" in meta and str(meta["num_codes"]) != str(num_codes):
+        raise PriorDataError(f"{what} {str(path)!r} was written for K = {meta['num_codes']} codes, the tokenizer "
+                             f"has K = {num_codes}; tokenize with this tokenizer")
+    if len(indices) == 0:
+        raise PriorDataError(f"{what} {str(path)!r} holds no code maps")
+    lab = None
+    if labels is not None:
+        lab = torch.from_numpy(check_labels(np.asarray(labels), len(indices), f"{what} {str(path)!r}"))
+        if (lab < 0).all():  # tokenize writes -1 for every image of a dataset without labels
+            lab = None
+    return Tokens(str(path), torch.from_numpy(indices.astype(np.int64)), lab, meta)
+
+
+def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
+    """A token file's labels as int64: one per code map, integers (a float array only when every value is
+    whole), each >= 0 and below MAX_CLASSES — or all -1 (tokenize's "no labels"); PriorDataError otherwise."""
+    labels = labels.reshape(-1)
+    if labels.shape[0] != count:
+        raise PriorDataError(f"{where}: {labels.shape[0]} labels for {count} code maps")
+    if labels.dtype.kind == "f":
+        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
+            bad = labels[~np.isfinite(labels) | (labels != np.round(labels))][0]
+            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad)!r} (a float label)")
+    elif labels.dtype.kind not in "iub":
+        raise PriorDataError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
+    labels = labels.astype(np.int64)
+    if (labels == -1).all():
+        return labels
+    if labels.min() < 0:
+        raise PriorDataError(f"{where}: expected class labels >= 0 (or -1 for every map: no labels), got "
+                             f"{int(labels.min())}")
+    if labels.max() >= MAX_CLASSES:
+        raise PriorDataError(f"{where}: expected class labels below {MAX_CLASSES:,} (a class-conditional prior holds "
+                             f"one embedding per class), got {int(labels.max()):,}; set "
+                             "model.class_conditional=false for an unconditional prior")
+    return labels
+
+
+class PriorData:
+    """The training (and test) tokens, checked against the tokenizer's K and each other."""
+
+    def __init__(self, cfg):
+        if not cfg.data.train_tokens:
+            raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
+        self.tokenizer = tokenizer_info(cfg.data.tokenizer)
+        k = self.tokenizer["num_codes"]
+        self.train = load_tokens(cfg.data.train_tokens, k, "training token file")
+        latent = self.tokenizer.get("latent")
+        if latent and self.train.grid != (latent, latent):
+            raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
+                                 f"the tokenizer {cfg.data.tokenizer!r} makes {latent}x{latent} ones")
+        self.test: List[Tokens] = []
+        for path in cfg.data.test_tokens:
+            tokens = load_tokens(path, k, "test token file")
+            if tokens.grid != self.train.grid:
+                raise PriorDataError(f"test token file {path!r} holds {tokens.grid} code maps, the training tokens "
+                                     f"{self.train.grid}")
+            self.test.append(tokens)
+        conditional = cfg.model.class_conditional and self.train.labels is not None
+        self.num_classes = int(self.train.labels.max()) + 1 if conditional else 0
+        for tokens in self.test:  # a test file without labels cannot be scored by a conditional prior
+            if self.num_classes and (tokens.labels is None or int(tokens.labels.max()) >= self.num_classes):
+                raise PriorDataError(f"test token file {tokens.path!r}: a class-conditional prior needs its labels "
+                                     f"in [0, {self.num_classes}) (set model.class_conditional=false for an "
+                                     "unconditional prior)")
+        self.num_codes = k
+
+    def meta(self) -> Dict:
+        return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,
+                "train_images": len(self.train.codes), "fingerprint": self.train.fingerprint(),
+                "dataset": self.tokenizer["data"].name if self.tokenizer.get("data") is not None else None,
+                "image_size": self.tokenizer["data"].image_size if self.tokenizer.get("data") is not None else None}
+
+
+def tokenizer_info(source: str | Path) -> Dict[str, Any]:
+    """-> {num_codes, data (a DataConfig for the tokenizer's dataset, or None), latent, source}: what a
+    prior needs to know about the model that tokenized its data. K is the loaded quantizer's
+    ``num_codes`` (what its indices range over), not the config's request."""
+    from ddcl_vq.tokenizer.config import DataConfig, load_config
+    if not str(source).strip():
+        raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
+    source = Path(source)
+    if (source / "config.yaml").is_file():
+        cfg = load_config(source / "config.yaml", migrate=True)
+        return {"source": str(source), "num_codes": load_tokenizer(source).quantizer.num_codes, "data": cfg.data,
+                "latent": cfg.data.image_size // 2 ** cfg.model.num_downsamples}
+    if (source / "config.json").is_file():
+        try:
+            d = json.loads((source / "config.json").read_text()).get("data") or {}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PriorDataError(f"cannot read the exported model's config {str(source / 'config.json')!r}: "
+                                 f"{err}") from None
+        data = DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d \
+            else None
+        return {"source": str(source), "num_codes": load_tokenizer(source).quantizer.num_codes, "data": data,
+                "latent": d.get("latent_size")}
+    raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
+                         "(config.json + model.safetensors)")
+
+
+def load_tokenizer(source: str | Path, device="cpu"):
+    from ddcl_vq.tokenizer.loaded import load_model
+    return load_model(source, device)

@@ -1,0 +1,150 @@
+"""``ddcl-vq bench`` / ``python -m ddcl_vq bench``: the command and its options."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from ddcl_vq.common.machine import load_average, machine_info
+from ddcl_vq.common.errors import entry_point
+from ddcl_vq.common.settings import ConfigError, Options, Rules, option
+
+from ddcl_vq.studies.bench.cost import IMPLS, calibrate, plan_measurements
+from ddcl_vq.studies.bench.memory import available_memory_bytes, probe_main
+from ddcl_vq.studies.bench.report import MEMORY_TEXT, METHOD, format_table
+from ddcl_vq.studies.bench.run import run_bench
+
+FULL_N = (4096, 16384, 65536)
+FULL_D = (64, 256)
+FULL_K = (512, 1024, 8192, 65536)
+QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
+
+
+@dataclass(kw_only=True)
+class BenchOptions:
+    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192}, the VQ-VAE and VQGAN steps with few repeats; "
+                                "about a minute on 2 cores")
+    json: Optional[str] = option(None, "write {'meta': ..., 'rows': [{impl, N, D, K, ms, peak_mb, ...}]}",
+                                 metavar="FILE")
+    shapes: Optional[List[str]] = option(None, "measure these shapes instead of the grid", nargs="+", metavar="N,D,K")
+    impls: Optional[List[str]] = option(None, f"subset of implementations: {', '.join(IMPLS)}", nargs="+",
+                                        metavar="IMPL", default_text="all")
+    repeats: int = option(5, "timed repeats per measurement")
+    warmup: int = option(1, "warm-up runs per measurement")
+    max_seconds: float = option(300.0, "skip a measurement whose single run is estimated above this")
+    budget_seconds: float = option(20.0, "cut repeats so one measurement takes about this long")
+    max_memory_gb: Optional[float] = option(None, "skip what would need more than this",
+                                            default_text="75% of MemAvailable")
+    memory: str = option("rss", "peak-memory method (rss: in-process VmHWM reset per probe)")
+    threads: Optional[int] = option(None, "torch threads", default_text="torch's default")
+    device: str = option("cpu", "measure on this device: cpu, or cuda (the current GPU; memory is then the CUDA "
+                                "allocator's peak above the inputs)")
+    no_e2e: bool = option(False, "skip the VQ-VAE training-step comparison")
+    no_vqgan: bool = option(False, "skip the VQGAN-recipe training-step comparison (configs/vqgan_photos64.yaml, "
+                                   "generator + discriminator, batch 16 of 3x64x64, DDCL vs HardVQ)")
+    no_prior: bool = option(False, "skip the prior row (sampling 64 images at 8x8 tokens; also skipped with --shapes)")
+    no_progress: bool = option(False, "no progress bar")
+    dry_run: bool = option(False, "print the plan (estimated seconds and memory, runs, skips) and exit without "
+                                  "measuring")
+    probe: Optional[List[str]] = option(None, flag="--_probe", nargs=4, hidden=True)  # the child of --memory subprocess
+
+
+OPTIONS = Options(
+    BenchOptions, prog="ddcl-vq bench",
+    description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, chunked paths; "
+                "straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch VectorQuantize (defaults) "
+                "and the six-matmul floor, plus one default VQ-VAE training step and one VQGAN-recipe training step "
+                "(generator + discriminator) with DDCL vs HardVQ. Prints a table; --json writes the rows.",
+    epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
+           "in memory or in --max-seconds is skipped and listed with the reason.\n"
+           "Example: ddcl-vq bench --quick --json bench.json",
+    rules=Rules(choices={"impls": tuple(IMPLS), "memory": ("rss", "subprocess", "none"), "device": ("cpu", "cuda")},
+                positive={"repeats", "max_seconds", "budget_seconds", "max_memory_gb"},
+                non_negative={"warmup", "threads"}),
+    presets={"quick": {"repeats": 2, "max_seconds": 20.0, "budget_seconds": 5.0}})
+
+
+def parse_shape(text: str) -> Tuple[int, int, int]:
+    try:
+        n, d, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"option --shapes: expected N,D,K like 8192,64,1024, got {text!r}") from None
+    if min(n, d, k) <= 0:
+        raise ConfigError(f"option --shapes: expected positive N,D,K, got {text!r}")
+    return n, d, k
+
+
+@entry_point("ddcl-vq bench")
+def main(argv: Optional[List[str]] = None) -> int:
+    args = OPTIONS.parse(argv)
+    if args.probe:
+        name, n, d, k = args.probe
+        return probe_main(name, int(n), int(d), int(k))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("option --device cuda: no CUDA device is available here (torch.cuda.is_available() is "
+                          "False); use --device cpu")
+    if device == "cuda" and args.memory == "subprocess":
+        raise ConfigError("option --memory subprocess measures host memory; with --device cuda use rss (the CUDA "
+                          "allocator's peak is then measured) or none")
+    quick = args.quick
+    shapes = ([parse_shape(s) for s in args.shapes] if args.shapes else list(QUICK_SHAPES) if quick
+              else [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K])
+    impls = args.impls or list(IMPLS)
+    plan = dict(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
+                budget_seconds=args.budget_seconds, probe_warmup=quick)
+    mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
+    if args.dry_run:
+        mb = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
+        plans = plan_measurements(shapes, impls, mem_budget=mb, cal=calibrate(device), **plan)
+        total = 0.0
+        for p in plans:
+            runs = 0 if p.skip else p.warmup + p.repeats + (p.probe == "separate")
+            total += runs * p.est_s
+            print(f"{p.name:<22} N={p.shape[0]:<6} D={p.shape[1]:<4} K={p.shape[2]:<6} est {p.est_s:8.2f} s/run "
+                  f"{p.est_bytes / 2**20:9.0f} MiB  " + (f"skip ({p.skip})" if p.skip else f"runs {runs}"))
+        print(f"estimated total: {total / 60:.1f} min (plus the VQ-VAE step unless --no-e2e and the VQGAN step "
+              "unless --no-vqgan)")
+        return 0
+    t0 = time.perf_counter()
+    meta = machine_info()
+    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
+                     e2e_repeats=31 if quick else 41, e2e_warmup=10, e2e_reference=not quick, vqgan=not args.no_vqgan,
+                     vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
+                     device=device, **plan)
+    prior_rows, prior_text = [], ""
+    if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.prior.bench
+        from ddcl_vq.prior.bench import bench_prior
+        prior_rows, prior_text = bench_prior(device, repeats=1 if quick else 3, no_cache=not quick)
+    memory = rows[0]["memory_method"] if rows else args.memory
+    meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                seconds=round(time.perf_counter() - t0, 1))
+    if (end_load := load_average()) is not None:
+        meta["loadavg_end"] = end_load
+    meta["device"] = device
+    on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
+    print(f"ddcl-vq bench — {on}{meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
+          f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")
+    if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:
+        print("warning: the load average exceeded the core count: other jobs shared the CPU, so absolute times are "
+              "inflated; compare ratios within this run.")
+    print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]) + "\n")
+    print(format_table(rows))
+    if prior_text:
+        print("\n" + prior_text)
+    print(f"\n{len(rows)} rows in {meta['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "prior": prior_rows}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

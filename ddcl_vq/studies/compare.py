@@ -1,0 +1,186 @@
+"""``ddcl-vq compare RUN_DIR ... --out DIR``: one table and a few plots over several runs.
+
+Every run is evaluated first unless a fresh evaluation exists (:mod:`.freshness`: made from the
+run's newest checkpoint, same step, file and content, on the same split and number of images,
+without config overrides). The runs must share one dataset (name, image size, channels; the
+folder for image_folder): compare refuses runs of different datasets before any work. Writes
+into DIR, all at once when everything is computed (nothing partial is left on a failure):
+
+  table.md  table.csv  table.json       one row per run (columns defined in COLUMN_DEFINITIONS)
+  usage_histograms.png                  sorted per-code usage counts, log scale, one panel per run
+  usage_over_training.png               windowed utilization and perplexity from metrics.jsonl
+  psnr_vs_utilization.png               hard-code PSNR against utilization
+  reconstructions.png                   the same test images decoded from each run's hard codes
+  evals/                                evaluations compare made that it could not keep in a run
+                                        directory (read-only, or holding an `evaluate` result)
+
+Modules: :mod:`.freshness` (which evaluation to reuse), :mod:`.tables`, :mod:`.plots`,
+:mod:`.runlog` (metrics.jsonl); this one runs them and is the command.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from ddcl_vq.common.data import SPLITS
+from ddcl_vq.common.errors import entry_point
+from ddcl_vq.common.rundir import writable_dir
+from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
+from ddcl_vq.common.threads import set_threads, threads_option
+
+from ddcl_vq.tokenizer.evaluate import EvaluateError
+from ddcl_vq.studies.freshness import ensure_eval, needs_eval
+from ddcl_vq.tokenizer.metrics import definitions
+from ddcl_vq.studies.plots import (plot_psnr_vs_utilization, plot_reconstructions, plot_usage_histograms,
+                    plot_usage_over_training, write_plots)
+from ddcl_vq.common.runlog import ms_per_step, read_metrics, train_seconds
+from ddcl_vq.studies.tables import (COLUMN_DEFINITIONS, COLUMNS, make_row, markdown_table, settings_text, table_footer,
+                     unique_names, write_csv, write_tables)
+
+__all__ = ["compare", "evaluate_runs", "check_one_dataset", "CompareWriteError", "main", "ensure_eval", "needs_eval",
+           "COLUMNS", "COLUMN_DEFINITIONS", "make_row", "markdown_table", "settings_text", "table_footer",
+           "unique_names", "write_csv", "write_tables", "write_plots", "plot_usage_histograms",
+           "plot_usage_over_training", "plot_psnr_vs_utilization", "plot_reconstructions", "read_metrics",
+           "train_seconds", "ms_per_step"]
+
+def dataset_of(run_dir: Path) -> str:
+    """What a run was trained and is evaluated on, as compare tells datasets apart:
+    ``name CxSxS`` (and the folder, for image_folder; the test photographs, for natural_patches)."""
+    from ddcl_vq.tokenizer.config import load_config
+    from ddcl_vq.common.data import image_channels
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
+    data = load_config(Path(run_dir) / "config.yaml", migrate=True).data
+    text = f"{data.name} {image_channels(data)}x{data.image_size}x{data.image_size}"
+    if data.name == "image_folder":
+        text += f" from {str(Path(data.root).expanduser().resolve())!r}"
+    if data.name == "natural_patches":  # other test photographs are other data
+        text += f" (test photographs {', '.join(data.test_photos)})"
+    return text
+
+
+def check_one_dataset(run_dirs: Sequence[Path]) -> str:
+    """The dataset every run shares, or an EvaluateError naming which run has which (a table and
+    reconstructions across datasets would compare numbers that measure different things)."""
+    found = {Path(d): dataset_of(d) for d in run_dirs}
+    kinds = sorted(set(found.values()))
+    if len(kinds) > 1:
+        groups = "; ".join(f"{kind}: {', '.join(str(d) for d, k in found.items() if k == kind)}" for kind in kinds)
+        raise EvaluateError(f"the runs were trained on different datasets ({groups}); compare runs of one dataset "
+                            "at a time")
+    return kinds[0]
+
+
+def evaluate_runs(run_dirs: Sequence[str | Path], split: str = "test", max_images: int = 0,
+                  batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None,
+                  progress: bool = False, store: Optional[Path] = None) -> tuple[List[Dict], List[Dict]]:
+    """(rows, evals): every run evaluated when needed (:func:`ensure_eval`), one table row each."""
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise EvaluateError("expected at least one run directory to compare")
+    for d in run_dirs:
+        if not d.is_dir():
+            raise EvaluateError(f"run directory {str(d)!r} does not exist")
+    check_one_dataset(run_dirs)
+    names = list(names) if names is not None else unique_names(run_dirs)
+    evals = [ensure_eval(d, split, max_images, batch_size, progress, store=store) for d in run_dirs]
+    return [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names)], evals
+
+
+class CompareWriteError(EvaluateError):
+    """The comparison was computed but its files could not be written; ``rows`` holds it."""
+
+    def __init__(self, rows: List[Dict], message: str):
+        super().__init__(message)
+        self.rows = rows
+
+
+def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
+            batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None, grid_images: int = 8,
+            progress: bool = False, command: Optional[str] = None) -> List[Dict]:
+    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``
+    (checked writable before any evaluation; CompareWriteError, holding the rows, when writing fails).
+
+    Tables and plots are made in a hidden folder inside ``out_dir`` and moved into place only when
+    all of them are done, so a failure leaves the folder as it was."""
+    run_dirs = [Path(d) for d in run_dirs]
+    for d in run_dirs:
+        if not d.is_dir():
+            raise EvaluateError(f"run directory {str(d)!r} does not exist")
+    check_one_dataset(run_dirs)  # before any evaluation or output
+    out = writable_dir(Path(out_dir), "--out")  # before the evaluations
+    rows, evals = evaluate_runs(run_dirs, split, max_images, batch_size, names, progress, store=out / "evals")
+    staging = Path(tempfile.mkdtemp(prefix=".compare-", dir=out))
+    try:
+        try:
+            write_tables(staging, rows, evals, split, max_images, command)
+            write_plots(staging, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
+            for path in sorted(staging.iterdir()):  # into place, each file by one rename (atomic per file)
+                os.replace(path, out / path.name)
+        except OSError as err:
+            raise CompareWriteError(rows, f"could not write the comparison into {str(out)!r} "
+                                          f"({type(err).__name__}: {err.strerror or err})") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return rows
+
+
+def distinct_runs(run_dirs: Sequence[str]) -> List[str]:
+    """``run_dirs`` with a run given twice (the same folder under one path or another) kept once, and a note
+    on stderr saying so: a table lists each run once."""
+    kept: Dict[Path, str] = {}
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in kept:
+            print(f"note: {d!r} is the run {kept[key]!r} again; compared once", file=sys.stderr)
+        else:
+            kept[key] = d
+    return list(kept.values())
+
+
+@dataclass(kw_only=True)
+class CompareOptions:
+    run_dirs: List[str] = option(help="run directories written by ddcl-vq train", positional=True, nargs="+",
+                                 metavar="RUN_DIR")
+    out: str = option(help="output directory for tables and plots")
+    split: str = option("test", "dataset split")
+    max_images: int = option(0, "images per evaluation (0 = whole split)")
+    batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
+    grid_images: int = option(8, "test images in reconstructions.png")
+    quiet: bool = option(False, "no table on stdout")
+    threads: Optional[int] = threads_option()
+
+
+OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__.split("\nModules:")[0],
+                  rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
+                              non_negative={"max_images", "grid_images"}))
+
+
+@entry_point("ddcl-vq compare")
+def main(argv: Optional[List[str]] = None) -> int:
+    opts = OPTIONS.parse(argv)
+    set_threads(opts.threads)
+    cmd = shlex.join(["ddcl-vq", "compare"] + list(sys.argv[1:] if argv is None else argv))
+    run_dirs = distinct_runs(opts.run_dirs)
+    try:
+        rows = compare(run_dirs, opts.out, opts.split, opts.max_images, opts.batch_size,
+                       grid_images=opts.grid_images, progress=not opts.quiet, command=cmd)
+    except CompareWriteError as err:
+        print(markdown_table(err.rows))  # the results, even when they cannot be saved
+        raise
+    if not opts.quiet:
+        print(markdown_table(rows))
+        print(f"\nwrote table.md, table.csv, table.json and 4 plots to {opts.out}")
+        print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The readout study's training: each readout arm over a small patch transformer, at the same budget (steps, batch, lr,
+seed, data order, encoder initialisation), and the hierarchical compressor on a trained arm's frozen tokens.
+
+Each arm trains inside :class:`~ddcl_vq.common.skeleton.TrainingRun` in OUT/runs/<arm> (config.yaml, checkpoints,
+metrics.jsonl, tb/, summary.json): a killed study resumes each arm from its checkpoint when the same command runs again,
+and a finished arm is reused (loaded, not trained again). An arm folder trained with other settings is refused, never
+mixed in.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ddcl_vq import CodebookUsage, HierarchicalCompressor
+from ddcl_vq.models import PatchTransformer
+from ddcl_vq.readout import prototype_param_groups
+
+from ddcl_vq.common.rundir import RunDirError
+from ddcl_vq.common.skeleton import TrainingRun, lr_schedule, metrics_records
+
+# arm name -> (readout kind, overrides of the DDCL settings)
+ARMS = {
+    "mean": ("mean", {}), "cls": ("cls", {}), "ddcl": ("ddcl", {}), "ddcl_soft": ("ddcl", {"mode": "soft"}),
+    "ddcl_joint": ("ddcl", {"mode": "soft", "distortion_to_tokens": True}),
+    # ablations (not run by default): the timescale ratio, gradient routing, temperature
+    "ddcl_rho1": ("ddcl", {"prototype_lr_ratio": 1.0}), "ddcl_ponly": ("ddcl", {"task_grad_to_prototypes": False}),
+    "ddcl_joint_rho1": ("ddcl", {"mode": "soft", "distortion_to_tokens": True, "prototype_lr_ratio": 1.0}),
+    "ddcl_tau0.03": ("ddcl", {"temperature": 0.03}), "ddcl_tau0.3": ("ddcl", {"temperature": 0.3}),
+}
+#: the study's options an arm's training depends on (a resumed arm must have the same)
+ARM_SETTINGS = ("steps", "batch_size", "lr", "seed", "train_size", "test_size", "patch", "dim", "layers", "heads",
+                "num_prototypes", "temperature", "prototype_init", "loss_weight", "prototype_lr_ratio",
+                "eval_every", "log_every")
+
+
+def load_patches(split: str, size: int, patch: int, seed: int) -> Tuple[Tensor, Tensor]:
+    """Real Fashion-MNIST as uint8 patch tokens (N, T, patch*patch) and int64 labels (N,); a fixed random
+    subset if size < N."""
+    from ddcl_vq.common.data import fashion_mnist_arrays
+    images, labels = fashion_mnist_arrays(split)
+    if size < len(images):
+        pick = np.random.default_rng(seed).permutation(len(images))[:size]
+        pick.sort()
+        images, labels = images[pick], labels[pick]
+    x = torch.from_numpy(np.array(images, copy=True))
+    n, h, w = x.shape
+    x = x.reshape(n, h // patch, patch, w // patch, patch).permute(0, 1, 3, 2, 4)
+    return x.reshape(n, (h // patch) * (w // patch), patch * patch).contiguous(), torch.from_numpy(labels)
+
+
+def to_float(tokens_u8: Tensor) -> Tensor:
+    return tokens_u8.float().div_(255.0).sub_(0.5).div_(0.5)
+
+
+@torch.no_grad()
+def accuracy(model: PatchTransformer, tokens_u8: Tensor, labels: Tensor, batch: int = 1000):
+    """-> (test accuracy, the readout's prototype usage over the tokens, or None)."""
+    model.eval()
+    correct = 0
+    usage = CodebookUsage(model.readout.num_prototypes) if model.readout is not None else None
+    for i in range(0, len(labels), batch):
+        logits, out = model(to_float(tokens_u8[i:i + batch]))
+        correct += int((logits.argmax(1) == labels[i:i + batch]).sum())
+        if usage is not None:
+            usage.update(out.usage_indices, out.soft_counts)
+    model.train()
+    return correct / len(labels), (usage.compute() if usage is not None else None)
+
+
+class _Order:
+    """The arm's data order: a permutation of the training images from its own generator, a new one when
+    the next batch would run past it (the same order for every arm); resumable."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size = n, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order, self.pos = torch.randperm(n, generator=self.gen), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Tensor:
+        if self.pos + self.batch_size > len(self.order):
+            self.order, self.pos = torch.randperm(self.n, generator=self.gen), 0
+        idx = self.order[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return idx
+
+    def state_dict(self) -> Dict:
+        return {"gen": self.gen.get_state(), "order": self.order, "pos": self.pos}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.gen.set_state(state["gen"])
+        self.order, self.pos = state["order"], int(state["pos"])
+
+
+class _Window:
+    """The training log's running means since the last logged line, the identity's worst case so far and
+    the training seconds (evaluation left out) of every session; resumable."""
+
+    KEYS = ("ce", "acc", "distortion", "ols", "variance", "perplexity")
+
+    def __init__(self):
+        self.values: Dict[str, List[float]] = {k: [] for k in self.KEYS}
+        self.identity_max, self.seconds = 0.0, 0.0
+
+    def state_dict(self) -> Dict:
+        return {"values": {k: list(v) for k, v in self.values.items()}, "identity_max": self.identity_max,
+                "seconds": self.seconds}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.values = {k: [float(x) for x in v] for k, v in state["values"].items()}
+        self.identity_max, self.seconds = float(state["identity_max"]), float(state["seconds"])
+
+    def mean_record(self) -> Dict:
+        record = {k: float(np.mean(v)) for k, v in self.values.items() if v}
+        self.values = {k: [] for k in self.KEYS}
+        return record
+
+
+def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: bool):
+    """Train (or resume, or reuse) the readout arm ``name`` in OUT/runs/<name>; -> (result dict, model)."""
+    kind, over = ARMS[name]
+    temperature = over.get("temperature", args.temperature)
+    ratio = over.get("prototype_lr_ratio", args.prototype_lr_ratio)
+    to_tokens = over.get("distortion_to_tokens", False)
+    task_to_protos = over.get("task_grad_to_prototypes", True)
+    (xtr, ytr), (xte, yte) = train_data, test_data
+    settings = {"arm": name, **{key: getattr(args, key) for key in ARM_SETTINGS}}
+    run = TrainingRun(Path(out) / "runs" / name, args.steps, checkpoint_every=args.eval_every,
+                      log_every=args.log_every, name=f"{name:>12}", device="cpu", quiet=not show_progress,
+                      config=settings)
+    with run:
+        found = run.latest()
+        if found is not None and found[0].get("config") != settings:
+            saved = found[0].get("config") or {}
+            changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in settings.items() if saved.get(k) != v)
+            raise RunDirError(f"{str(run.dir)!r} holds the arm {name!r} trained with other settings ({changed}); "
+                              "give another --out, or delete that folder")
+        torch.manual_seed(args.seed)
+        model = PatchTransformer(kind, xtr.shape[1], xtr.shape[2], args.dim, args.layers, args.heads, 10,
+                                 args.num_prototypes, temperature, args.loss_weight, to_tokens,
+                                 over.get("prototype_init", args.prototype_init),
+                                 task_to_protos, over.get("mode", "straight_through"))
+        if kind == "ddcl":
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the rho = 1 ablation is deliberate
+                groups = prototype_param_groups(model, args.lr, ratio)
+        else:
+            groups = [{"params": list(model.parameters()), "lr": args.lr}]
+        opt = torch.optim.Adam(groups)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(args.steps, "cosine",
+                                                                       warmup=max(1, args.steps // 20), floor=0.0))
+        order, window = _Order(len(ytr), args.batch_size, args.seed), _Window()
+        run.keep(model=model, optimizer=opt, scheduler=scheduler, order=order, window=window)
+        step = run.resume(found, announce=False)
+        found = None
+        finished = run.dir / "summary.json"
+        if step >= args.steps and finished.is_file():  # trained before: reuse it
+            return json.loads(finished.read_text()), model
+        if run.is_main:
+            (run.dir / "config.yaml").write_text(json.dumps(settings, indent=2) + "\n")
+        run.postfix = lambda record: ({"ce": f"{record['ce']:.3f}", "acc": f"{record['acc']:.3f}"}
+                                      if "ce" in record else {})
+        t0 = time.perf_counter()
+        for step, idx in run.steps(order, step):
+            x, y = to_float(xtr[idx]), ytr[idx]
+            logits, out_ = model(x)
+            ce = F.cross_entropy(logits, y)
+            loss = ce if out_ is None else ce + out_.loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            scheduler.step()
+            values = {"ce": float(ce.detach()), "acc": float((logits.argmax(1) == y).float().mean())}
+            if out_ is not None:
+                d, o, v = (float(t.detach()) for t in (out_.distortion, out_.ols, out_.variance))
+                window.identity_max = max(window.identity_max, abs(d - o - v) / max(d, 1e-30))
+                values.update(distortion=d, ols=o, variance=v, perplexity=float(out_.perplexity))
+            for key, value in values.items():
+                window.values[key].append(value)
+            if run.due(args.log_every, step + 1) or step == 0:
+                record = window.mean_record()
+                if out_ is not None:
+                    record["identity_max_so_far"] = window.identity_max
+                run.log(step + 1, record)
+            if run.due(args.eval_every, step + 1):
+                window.seconds += time.perf_counter() - t0
+                run.log(step + 1, {"test_accuracy": accuracy(model, xte, yte)[0]})
+                t0 = time.perf_counter()
+        t_eval = time.perf_counter()
+        acc, usage = accuracy(model, xte, yte)
+        t_eval = time.perf_counter() - t_eval
+        records = metrics_records(run.dir)
+        result = {"arm": name, "readout": kind, "test_accuracy": acc, "train_wall_s": window.seconds,
+                  "eval_wall_s": t_eval, "params": sum(p.numel() for p in model.parameters()),
+                  "curve": [{"step": r["step"], "test_accuracy": r["test_accuracy"]} for r in records
+                            if "test_accuracy" in r], "train_log": [r for r in records if "ce" in r]}
+        if kind == "ddcl":
+            result.update(temperature=temperature, prototype_lr_ratio=ratio, distortion_to_tokens=to_tokens,
+                          task_grad_to_prototypes=task_to_protos, mode=over.get("mode", "straight_through"),
+                          loss_weight=args.loss_weight, usage=usage.to_dict(), identity_max=window.identity_max)
+        if run.is_main:
+            finished.write_text(json.dumps(result, indent=2) + "\n")
+        return result, model
+
+
+def train_compressor(args, tokens: Tensor, show_progress: bool):
+    """The hierarchical compressor (windows ``args.windows``) trained on frozen token features (N, T, D) for
+    ``args.compressor_steps`` Adam steps; -> (compressor, first loss, last loss, wall seconds)."""
+    torch.manual_seed(args.seed)
+    comp = HierarchicalCompressor(tokens.shape[-1], args.windows, args.compressor_prototypes,
+                                  temperature=args.temperature, distortion_to_tokens=False, prototype_init="kmeans")
+    opt = torch.optim.Adam(comp.parameters(), lr=args.compressor_lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    batch = min(256, len(tokens))
+    first_loss = last_loss = None
+    for _ in tqdm(range(args.compressor_steps), desc="  compressor", disable=not show_progress, mininterval=1.0):
+        idx = torch.randint(len(tokens), (batch,), generator=gen)
+        out = comp(tokens[idx])
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        last_loss = float(out.loss.detach())
+        first_loss = last_loss if first_loss is None else first_loss
+    return comp, first_loss, last_loss, time.perf_counter() - t0

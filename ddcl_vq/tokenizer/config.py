@@ -1,0 +1,501 @@
+"""Typed experiment configs: YAML in, validated dataclasses out, dotted overrides.
+
+    cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
+
+Every key is checked up front (by :mod:`ddcl_vq.common.settings`, the checks every command's settings go through): an
+unknown key is an error naming the key and the nearest valid one; a wrong type or a value outside a key's choices names
+the key, what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
+
+Defaults and allowed values are stated once, where the code that uses them lives: the ``model`` section is the model
+constructor's keyword arguments and defaults (:class:`~ddcl_vq.models.Encoder`), the ``quantizer`` section the quantizer
+classes' keyword arguments and defaults (:data:`QUANTIZER_CLASSES`; :data:`NOT_IN_CONFIG` lists the arguments a config
+does not set), and the choices of the DDCL keys are the library's own tuples (``ddcl_vq.ddcl.MODES`` ...). ``ddcl-vq
+train --config X --print-config`` shows every value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from ddcl_vq import EMAVQ, IBQ_LOGITS, DDCLQuantizer, HardVQ, IBQQuantizer
+from ddcl_vq import ddcl as _ddcl
+from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
+
+from ddcl_vq.common.rundir import RunDirError
+from ddcl_vq.common.data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
+from ddcl_vq.common.settings import ConfigError, Rules, apply, check, check_finite, did_you_mean, keys_of, leaves
+from ddcl_vq.common.yamlfile import load_yaml_text, read_yaml_mapping  # bounded YAML (size, nesting, aliases, duplicate keys)
+
+__all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
+           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
+           "NOT_IN_CONFIG", "signature_fields"]
+
+
+def signature_fields(fn: Any, skip: Sequence[str] = ()) -> List[Tuple[str, Any, Any]]:
+    """``(name, type, dataclasses.field(default=...))`` for every keyword argument of ``fn`` that has
+    a default, in signature order, except ``skip`` (what ``dataclasses.make_dataclass`` takes)."""
+    hints = typing.get_type_hints(fn)
+    params = inspect.signature(fn).parameters.values()
+    return [(p.name, hints.get(p.name, Any), field(default=p.default)) for p in params if p.name != "self"
+            and p.name not in skip and p.default is not p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+@dataclass
+class RunConfig:
+    name: str = "fashion_ddcl"
+    dir: str = "runs/fashion_ddcl"          # where config.yaml, checkpoints/, tb/, metrics.jsonl go
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "fashion_mnist"             # fashion_mnist | mnist | cifar10 | image_folder | natural_patches | digits
+    root: str = "data"                       # torchvision downloads / image_folder root (with train/ and test/)
+    image_size: int = 32                     # images are padded (28 -> 32) or resized/cropped to this
+    batch_size: int = 128                    # global batch (split evenly over processes)
+    download: bool = True                    # let torchvision download when the files are missing
+    patches_per_image: int = 2000            # natural_patches only
+    # natural_patches only: the scikit-image photographs of each split (ddcl_vq/common/data.py PHOTOGRAPHS; no overlap)
+    train_photos: List[str] = field(default_factory=lambda: list(NATURAL_TRAIN_PHOTOS))
+    test_photos: List[str] = field(default_factory=lambda: list(NATURAL_TEST_PHOTOS))
+    num_workers: Optional[int] = None       # DataLoader workers; null = auto (data.resolve_workers)
+    augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (augment.py)
+
+
+#: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels (which come from
+#: the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents at 2), latent_dim (D), res_hidden then
+#: the VQGAN architecture (model.arch: vqgan; ddcl_vq.models.vqgan, diffusers' encoder/decoder): ch, ch_mult,
+#: attn_resolutions, z_channels, norm_groups (num_res_blocks and latent_dim = D shared)
+VQGAN_MODEL_FIELDS = [("arch", str, field(default="vqvae")), ("ch", int, field(default=128)),
+                      ("ch_mult", List[int], field(default_factory=lambda: [1, 1, 2, 2, 4])),
+                      ("attn_resolutions", List[int], field(default_factory=lambda: [16])),
+                      ("z_channels", int, field(default=256)), ("norm_groups", int, field(default=32))]
+ModelConfig = dataclasses.make_dataclass("ModelConfig", signature_fields(Encoder.__init__, skip=("in_channels",))
+                                         + VQGAN_MODEL_FIELDS)
+ModelConfig.__module__ = __name__
+ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword arguments and defaults (image channels aside)."
+
+#: quantizer.type -> the class whose keyword arguments (and defaults) are the config's quantizer.* keys
+#: (``vqp`` has none of its own: ``quantizer.vqp`` is passed to vector-quantize-pytorch as it is)
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "ibq": IBQQuantizer}
+#: constructor arguments that are not quantizer.* keys, and where their value comes from
+NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
+                 "schedule_steps": "train.steps", "chunk_size": "the constructor default",
+                 "chunk_threshold_bytes": "the constructor default", "eps": "the constructor default"}
+#: keys several quantizers share whose defaults differ between them: None = "the quantizer's own default"
+#: (ddcl 0.9, ema 0.99)
+PER_QUANTIZER_DEFAULT = ("decay",)
+
+
+def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
+    fields: Dict[str, Tuple[str, Any, Any]] = {"type": ("type", str, field(default="ddcl")),
+                                               "num_codes": ("num_codes", int, field(default=512))}
+    owners: Dict[str, str] = {}
+    for qtype, cls in QUANTIZER_CLASSES.items():
+        for name, annotation, f in signature_fields(cls.__init__, skip=tuple(NOT_IN_CONFIG) + PER_QUANTIZER_DEFAULT):
+            if name in fields:  # a key two quantizers share (beta) has one default
+                if name in owners and fields[name][2].default != f.default:
+                    raise TypeError(f"quantizer.{name}: {owners[name]} and {qtype} default to "
+                                    f"{fields[name][2].default!r} and {f.default!r}; add it to PER_QUANTIZER_DEFAULT")
+                continue
+            fields[name], owners[name] = (name, annotation, f), qtype
+    fields.update({name: (name, Optional[float], field(default=None)) for name in PER_QUANTIZER_DEFAULT})
+    # vqp and the newer peers (ddcl_vq.fsq, .simvq, .lfq wrap vector-quantize-pytorch): fsq's grid (None: the FSQ
+    # paper's levels for num_codes), vqp's, simvq's and lfq's keyword arguments passed as they are
+    fields.update(vqp=("vqp", Dict[str, Any], field(default_factory=dict)),
+                  fsq_levels=("fsq_levels", Optional[List[int]], field(default=None)),
+                  simvq=("simvq", Dict[str, Any], field(default_factory=dict)),
+                  lfq=("lfq", Dict[str, Any], field(default_factory=dict)))
+    return list(fields.values())
+
+
+QuantizerConfig = dataclasses.make_dataclass("QuantizerConfig", _quantizer_fields())
+QuantizerConfig.__module__ = __name__
+QuantizerConfig.__doc__ = ("The quantizer: ``type``, ``num_codes`` (K), every quantizer class's keyword arguments with "
+                           "their defaults (see QUANTIZER_CLASSES; a shared one like beta once), decay (None: the "
+                           "quantizer's default) and the peers' keyword arguments (vqp, simvq, lfq).")
+
+
+def quantizer_keys(qtype: str) -> List[str]:
+    """The quantizer.* keys that are constructor arguments of ``qtype``'s class (``[]`` for vqp)."""
+    params = inspect.signature(QUANTIZER_CLASSES[qtype].__init__).parameters if qtype in QUANTIZER_CLASSES else {}
+    return [f.name for f in dataclasses.fields(QuantizerConfig) if f.name in params and f.name not in NOT_IN_CONFIG]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 2e-3                         # encoder/decoder learning rate (AdamW)
+    codebook_lr_ratio: float = 3.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
+    quantizer_loss_weight: float = 1.0
+    grad_clip: float = 1.0                   # max global grad norm; 0 = off
+    amp: str = "none"                        # none | bf16 | fp16 (autocast; the quantizer stays float32)
+    log_every: int = 25
+    checkpoint_every: int = 250
+    image_every: int = 500
+    usage_window: int = 100                  # steps per windowed utilization / dead-code figure
+    eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
+    device: str = "auto"                     # auto | cpu | cuda
+    threads: Optional[int] = None            # torch CPU threads per process; null = auto (threads.py), kept on resume
+    init_from: Optional[str] = None          # a new run from an exported model folder or Hub id (init_from.py)
+
+
+@dataclass
+class LossConfig:
+    """The training loss (ddcl_vq.tokenizer.losses): the defaults are the plain pixel MSE."""
+    pixel: str = "l2"                        # l1 | l2
+    pixel_weight: float = 1.0
+    perceptual_weight: float = 0.0           # LPIPS (frozen, real ImageNet trunk weights); 0 = off
+    perceptual_net: str = "vgg"              # vgg (taming) | alex
+    disc_weight: float = 0.0                 # PatchGAN adversarial loss weight (times the adaptive lambda); 0 = off
+    disc_start: int = 0                      # the training step the discriminator (and its loss) switches on
+    disc_loss: str = "hinge"                 # hinge | vanilla | non_saturating
+    disc_layers: int = 3
+    disc_channels: int = 64
+    disc_lr: Optional[float] = None          # the discriminator's Adam lr (beta 0.5, 0.9); null = train.lr
+    adaptive_weight: bool = True             # lambda = ||grad L_rec|| / (||grad L_G|| + 1e-4) at the decoder's last layer
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any], *, saved: bool = False) -> "Config":
+        """``saved``: a run's resolved config.yaml, read to evaluate, export or compare the run (the checks
+        of what a training would do, :func:`validate_training`, are left out: it has trained)."""
+        cfg = cls()
+        apply(cfg, raw or {}, candidates=all_keys(), unknown=_unknown_key)
+        validate(cfg)
+        if not saved:
+            validate_training(cfg)
+        return cfg
+
+
+CHOICES = {
+    "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
+    "quantizer.type": tuple(QUANTIZER_TYPES), "quantizer.logits": IBQ_LOGITS,
+    "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
+    "train.lr_schedule": ("constant", "cosine"), "train.amp": ("none", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"), "model.arch": ("vqvae", "vqgan"), "data.augment": ("none", "crop_flip"),
+    "loss.pixel": ("l1", "l2"), "loss.perceptual_net": ("vgg", "alex"),
+    "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
+}
+# DDCLQuantizer's allowed values, as the library states them
+CHOICES.update({f"quantizer.{name}": values for name, values in _ddcl.DDCL_CHOICES.items()})
+POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels", "model.res_hidden",
+            "model.num_downsamples", "model.latent_dim", "quantizer.num_codes", "quantizer.temperature", "train.steps",
+            "train.lr", "train.codebook_lr_ratio", "train.log_every", "train.checkpoint_every", "train.image_every",
+            "train.usage_window", "train.threads", "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups",
+            "loss.disc_layers", "loss.disc_channels", "quantizer.entropy_temperature"}
+#: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
+#: moves them instead, for the resolved config.yaml of runs written before the move)
+RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
+           "train.temperature_final": "quantizer.temperature_final"}
+#: DDCL settings a run saved before the M-step existed was trained with (keys absent from its config.yaml)
+LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
+               "encoder_gradient": "identity"}
+NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
+                "quantizer.restart_step", "quantizer.warmup_steps", "quantizer.revive_threshold",
+                "quantizer.entropy_weight", "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip",
+                "train.eval_images", "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight",
+                "loss.disc_weight", "loss.disc_start"}
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
+    return keys_of(Config() if obj is None else obj, prefix)
+
+
+def _unknown_key(key: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"config key {key!r} has moved to {RENAMED[key]!r} (the quantizer owns its "
+                           "temperature schedule)")
+    return ConfigError(f"unknown config key {key!r}; {did_you_mean(key, all_keys())}")
+
+
+def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of a raw config dict with every key of :data:`RENAMED` moved to its new place."""
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    for old, new in RENAMED.items():
+        (osec, oname), (nsec, nname) = old.split("."), new.split(".")
+        section = raw.get(osec)
+        if isinstance(section, dict) and oname in section:
+            value = section.pop(oname)
+            target = raw.setdefault(nsec, {})
+            if isinstance(target, dict):
+                target.setdefault(nname, value)
+    quantizer = raw.get("quantizer")
+    if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
+        if "codebook_update" not in quantizer:  # a run from before the M-step: what it was trained with
+            quantizer.update({name: value for name, value in LEGACY_DDCL.items() if name not in quantizer})
+        quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
+        quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
+        quantizer.setdefault("beta_final", None)  # nor a commitment ramp before it existed
+    return raw
+
+
+def validate(cfg: Config) -> None:
+    check_finite(cfg)
+    check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
+    check_photos(cfg.data.train_photos, cfg.data.test_photos)
+    size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
+    if cfg.model.arch == "vqgan":
+        _validate_vqgan(cfg)
+    elif size % factor:
+        lower, upper = size // factor * factor, (size // factor + 1) * factor
+        halvings = (size & -size).bit_length() - 1  # how often size itself can be halved
+        hint = (f"e.g. {lower} or {upper}" if lower else
+                f"e.g. {upper}, or model.num_downsamples={halvings} or fewer for {size}-pixel images")
+        raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "
+                          f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; {hint}")
+    _validate_loss(cfg)
+    if cfg.data.augment != "none" and cfg.data.name != "image_folder":
+        raise ConfigError(f"config key 'data.augment': {cfg.data.augment!r} is for data.name image_folder, got "
+                          f"{cfg.data.name!r}; use data.augment=none")
+    decay = cfg.quantizer.decay
+    if decay is not None and not 0 <= decay < 1:
+        raise ConfigError(f"config key 'quantizer.decay': expected 0 <= decay < 1 (or null for the quantizer's "
+                          f"default), got {decay!r}")
+    if not cfg.quantizer.revive_threshold < 1:
+        raise ConfigError("config key 'quantizer.revive_threshold': expected a value < 1, got "
+                          f"{cfg.quantizer.revive_threshold!r}")
+    tf = cfg.quantizer.temperature_final
+    if cfg.quantizer.temperature_schedule != "constant" and (tf is None or not tf > 0):
+        raise ConfigError("config key 'quantizer.temperature_final': expected a value > 0 when "
+                          f"quantizer.temperature_schedule is {cfg.quantizer.temperature_schedule!r}, got {tf!r}")
+    for key, qtype in (("vqp", "vqp"), ("simvq", "simvq"), ("lfq", "lfq"), ("fsq_levels", "fsq")):
+        if cfg.quantizer.type != qtype and getattr(cfg.quantizer, key):
+            raise ConfigError(f"config key 'quantizer.{key}': only used with quantizer.type {qtype!r}, got type "
+                              f"{cfg.quantizer.type!r}")
+
+
+def validate_training(cfg: Config) -> None:
+    """What a training of ``cfg`` would do, beyond each value's own range: refuse settings with which it
+    would learn nothing or silently leave a part out (a loss with no reconstruction term, a discriminator
+    that never switches on, attention at a resolution the VQGAN does not have)."""
+    lc, m = cfg.loss, cfg.model
+    if lc.pixel_weight == 0 and lc.perceptual_weight == 0:
+        extra = (" (and loss.disc_weight alone cannot: its adaptive weight is 0 without a reconstruction loss)"
+                 if lc.disc_weight > 0 and lc.adaptive_weight else "")
+        raise ConfigError(f"config keys 'loss.pixel_weight' and 'loss.perceptual_weight' are both 0 (loss.disc_weight "
+                          f"{lc.disc_weight:g}): no loss compares the reconstruction with the image, so the model "
+                          f"would learn nothing{extra}; set loss.pixel_weight > 0 (1.0 is the default)")
+    if lc.disc_weight > 0 and lc.disc_start >= cfg.train.steps:
+        raise ConfigError(f"config key 'loss.disc_start': {lc.disc_start} is not before train.steps="
+                          f"{cfg.train.steps}, so the discriminator would never switch on; set loss.disc_start below "
+                          "train.steps (the recipe switches it on halfway) or loss.disc_weight=0")
+    if m.arch == "vqgan":
+        levels = [cfg.data.image_size // 2 ** i for i in range(len(m.ch_mult))]
+        missing = [r for r in m.attn_resolutions if r not in levels]
+        if missing:
+            raise ConfigError(f"config key 'model.attn_resolutions': {missing} match no level of the VQGAN (its "
+                              f"blocks work at {levels} pixels for data.image_size={cfg.data.image_size} and "
+                              f"model.ch_mult={list(m.ch_mult)}), so no attention would be added there; list some "
+                              "of those, or [] for attention only in the middle block")
+
+
+def _validate_vqgan(cfg: Config) -> None:
+    """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups;
+    the loss section's discriminator fits the images."""
+    m, size = cfg.model, cfg.data.image_size
+    if not m.ch_mult:
+        raise ConfigError("config key 'model.ch_mult': expected at least one multiplier, got []")
+    factor = 2 ** (len(m.ch_mult) - 1)
+    if size % factor:
+        raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the VQGAN encoder halves "
+                          f"the image len(model.ch_mult) - 1 = {len(m.ch_mult) - 1} times), got {size}")
+    bad = [m.ch * k for k in m.ch_mult if (m.ch * k) % m.norm_groups]
+    if bad or m.z_channels < 1:
+        raise ConfigError(f"config key 'model.norm_groups': expected every block width model.ch x model.ch_mult "
+                          f"to be a multiple of {m.norm_groups} (GroupNorm), got widths {bad}")
+
+
+def _validate_loss(cfg: Config) -> None:
+    lc = cfg.loss
+    if lc.disc_lr is not None and not lc.disc_lr > 0:
+        raise ConfigError(f"config key 'loss.disc_lr': expected a value > 0 (or null for train.lr), got {lc.disc_lr!r}")
+    if lc.disc_weight > 0:
+        need = 3 * 2 ** lc.disc_layers
+        if cfg.data.image_size < need:
+            raise ConfigError(f"config key 'loss.disc_layers': a {lc.disc_layers}-layer PatchGAN needs images of at "
+                              f"least {need}px, got data.image_size={cfg.data.image_size}; lower loss.disc_layers")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"expected an override of the form dotted.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = load_yaml_text(raw, f"override {key.strip()!r}") if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def read_yaml(path: Path, what: str) -> Dict[str, Any]:
+    """A config file's settings: bounded YAML (:mod:`.yamlfile`) whose top level is a mapping ({} when empty);
+    a ConfigError naming the file otherwise (a list at the top is refused here, not when an override is set)."""
+    return read_yaml_mapping(path, what)
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Optional[Sequence[str]] = None,
+                    unknown: Optional[Callable[[str], ConfigError]] = None) -> Dict[str, Any]:
+    """A copy of ``raw`` with every ``dotted.key=value`` override set. ``keys``, ``unknown``: the valid keys and
+    the error for another one (default: the training config's, where a quantizer.vqp/simvq/lfq keyword passes)."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    valid = set(all_keys() if keys is None else keys)
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        is_vqp_kwarg = (keys is None and len(parts) == 3 and parts[0] == "quantizer"
+                        and parts[1] in ("vqp", "simvq", "lfq"))
+        if key not in valid and not is_vqp_kwarg:
+            raise (unknown or _unknown_key)(key)
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, migrate: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
+    (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
+    raw: Dict[str, Any] = read_yaml(Path(path), "config file") if path is not None else {}
+    if migrate and path is not None:
+        raw = migrate_renamed(raw)
+    return Config.from_dict(apply_overrides(raw, overrides), saved=migrate)
+
+
+def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
+    new_values = dict(leaves(new))
+    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+#: settings that may change when a run resumes: how long it trains, what it logs and keeps, where it runs (train.steps:
+#: not below the steps already trained; data.root: not for image_folder, where it is the data itself)
+RESUMABLE = ("train.steps", "train.log_every", "train.image_every", "train.checkpoint_every", "train.eval_images",
+             "train.usage_window", "train.device", "train.threads", "data.num_workers", "data.download", "data.root", "run.dir",
+             "run.name", "quantizer.implementation")
+
+
+def saved_config(state: Dict[str, Any], run_dir: Path) -> Optional[Config]:
+    """The resolved config a checkpoint was trained with (old keys migrated as for its config.yaml);
+    from RUN_DIR/config.yaml for a checkpoint that does not store it; None when neither exists."""
+    raw = state.get("config")
+    try:
+        if isinstance(raw, dict):
+            return Config.from_dict(migrate_renamed(raw), saved=True)
+        if (run_dir / "config.yaml").is_file():
+            return load_config(run_dir / "config.yaml", migrate=True)
+    except ConfigError as err:
+        raise RunDirError(f"run directory {str(run_dir)!r}: the config its checkpoint was trained with cannot be "
+                          f"read by this version ({err}); start a new run with another run.dir") from None
+    return None
+
+
+def _fmt(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) -> List[str]:
+    """Refuse (RunDirError) to resume a run trained with ``saved`` under ``cfg`` when they differ in
+    anything but :data:`RESUMABLE` keys; -> notes about allowed changes worth knowing."""
+    refused, notes, fewer = [], [], None  # changes refused (key, old, new); notes; a train.steps below the steps done
+    for key, old, new in differences(saved, cfg):
+        if key not in RESUMABLE or (key == "data.root" and cfg.data.name == "image_folder"):
+            refused.append((key, old, new))
+        elif key == "train.steps" and new < trained_steps:
+            fewer = (key, old, new)
+        elif key == "train.steps":
+            stretched = [what for what, on in (("the cosine learning-rate schedule", cfg.train.lr_schedule == "cosine"),
+                                               ("the temperature schedule", cfg.quantizer.type == "ddcl"
+                                                and cfg.quantizer.temperature_schedule != "constant")) if on]
+            if stretched:
+                notes.append(f"train.steps {old} -> {new}: {' and '.join(stretched)} "
+                             f"{'was' if len(stretched) == 1 else 'were'} laid out for {old} steps; the learning rate "
+                             f"follows {new} steps from here (a temperature schedule stays where it ended)")
+    if fewer and not refused:
+        raise RunDirError(f"run directory {str(run_dir)!r} holds a run that has trained {trained_steps} steps; "
+                          f"train.steps={fewer[2]} is fewer. Give train.steps >= {trained_steps}, or another run.dir "
+                          "for a new run")
+    if refused:
+        refused += [fewer] if fewer else []
+        changes = ", ".join(f"{key} {_fmt(old)} -> {_fmt(new)}" for key, old, new in refused)
+        allowed = ", ".join(k if k != "train.steps" else f"train.steps (at least {trained_steps})" for k in RESUMABLE)
+        raise RunDirError(
+            f"run directory {str(run_dir)!r} holds a run trained {trained_steps} steps with another config; resuming "
+            f"it would mix the two ({changes}). Only these may change on resume: {allowed}. To train with the new "
+            f"settings, start a new run (another run.dir, or delete {str(run_dir)!r}); to continue this run as it "
+            f"was: ddcl-vq train --config {str(run_dir / 'config.yaml')}")
+    return notes
+
+
+def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str, Any]]:
+    """RUN_DIR/summary.json when it describes the run finished at ``step`` completely (with its
+    end-of-run evaluation when train.eval_images > 0); None when something is left to do."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("step") != step or "evaluation_error" in summary:
+        return None
+    if summary.get("eval_images", cfg.train.eval_images) != cfg.train.eval_images:
+        return None  # asked for another evaluation
+    return None if cfg.train.eval_images > 0 and summary.get("hard") is None else summary
+
+
+def run_dir_of_config(config_path: str | Path) -> Optional[Path]:
+    """The run directory a config file belongs to: ``RUN_DIR`` when ``config_path`` is
+    ``RUN_DIR/config.yaml`` next to the run's ``checkpoints/`` or ``metrics.jsonl``; else None."""
+    path = Path(config_path)
+    folder = path.parent
+    if path.name != "config.yaml" or not path.is_file():
+        return None
+    return folder if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file() else None
+
+
+def follow_run_dir(cfg: Config, config_path: str | Path, overrides: Sequence[str] = ()) -> Optional[str]:
+    """The rule for ``--config RUN_DIR/config.yaml``: continue THAT run directory.
+
+    A run's config.yaml names the folder it was trained in (``run.dir``); after ``cp -a`` or ``mv``
+    that name is stale (it points to the original, or to nothing), so when the config file lives in
+    a run directory (:func:`run_dir_of_config`) and no ``run.dir=...`` override is given, ``cfg.run.dir``
+    becomes that directory. An explicit ``run.dir=`` override always wins. -> a note to print when
+    the saved run.dir was not that folder (None when it was, or when the rule does not apply)."""
+    folder = run_dir_of_config(config_path)
+    if folder is None or any(text.split("=", 1)[0].strip() == "run.dir" for text in overrides):
+        return None
+    saved = cfg.run.dir
+    if saved.strip() and Path(saved).resolve() == folder.resolve():
+        return None
+    cfg.run.dir = str(folder)
+    return (f"{str(Path(config_path))!r} says run.dir {saved!r}, but it lives in the run directory {str(folder)!r} "
+            f"(a copied or moved run): training {str(folder)!r}, the run this config belongs to (give run.dir=... "
+            "to train another folder)")
