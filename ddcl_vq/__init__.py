@@ -31,6 +31,7 @@ from .base import Quantizer, QuantizerOutput
 from .ddcl import DDCLQuantizer
 from .ema import EMAVQ
 from .fsq import FSQQuantizer
+from .fvq import FVQQuantizer
 from .hard import DISTANCES, HARDVQ_CHOICES, HardVQ
 from .ibq import IBQ_LOGITS, IBQQuantizer
 from .lfq import LFQQuantizer
@@ -45,7 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer",
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "Assignment", "assign",
-    "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer", "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS", "RecentUsage", "QUEUE_LENGTH", "uniform_ceiling",
+    "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer", "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "FVQQuantizer", "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS", "RecentUsage", "QUEUE_LENGTH", "uniform_ceiling",
     "DDCLReadout", "ReadoutOutput", "HierarchicalCompressor", "CompressorOutput", "prototype_param_groups",
     # allowed values of the quantizers' choice arguments (their defaults: the constructors' signatures)
     "MODES", "CODEBOOK_UPDATES", "CODEBOOK_INITS", "TEMPERATURE_REFERENCES", "TEMPERATURE_SCHEDULES",

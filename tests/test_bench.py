@@ -87,7 +87,7 @@ def test_help_explains_options(capsys):
 
 def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
     from ddcl_vq.studies.bench.steps import CONFIGS_DIR, e2e_models
-    from ddcl_vq.common.settings import ConfigError
+    from ddcl_vq.common.config import ConfigError
     models, source, fallback = e2e_models()
     assert fallback is None and "configs/fashion_ddcl.yaml" in source and set(models) == {"ddcl", "hardvq"}
     stand_ins, source, fallback = e2e_models(tmp_path)            # an installed copy without configs/
@@ -127,7 +127,7 @@ def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
     text = format_table(list(rows.values()))
     assert "vqgan-step-ddcl" in text and "input 2x3x64x64, discriminator on" in text
     # the arms are the recipe's DDCL and configs/study_vqgan.yaml's hard arm, built as the loop builds them
-    from ddcl_vq.common.yamlfile import read_yaml
+    from ddcl_vq.common.config import read_yaml_mapping as read_yaml
     from ddcl_vq.studies.bench.steps import CONFIGS_DIR
     study = read_yaml(CONFIGS_DIR / "study_vqgan.yaml", "study")
     hard = next(a for a in study["arms"] if a["name"] == "hard")["overrides"]

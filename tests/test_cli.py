@@ -1,6 +1,6 @@
 """Every command: settings declared and checked one way, errors the user can fix as one line.
 
-- each command's options are a dataclass read by ddcl_vq.common.settings.Options (types, choices,
+- each command's options are a dataclass read by ddcl_vq.common.config.Options (types, choices,
   bounds, presets such as --quick), as the training config and the study file are;
 - every error a user can fix is a UserError, which each command (and the dispatcher) prints as
   ``ddcl-vq CMD: error: <message>`` with exit status 2;
@@ -21,7 +21,7 @@ from ddcl_vq.common.checkpoint import CheckpointError
 from ddcl_vq.tokenizer.config import ConfigError
 from ddcl_vq.common.data import DataUnavailable
 from ddcl_vq.common.errors import UserError
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 
 ROOT = Path(__file__).resolve().parents[1]
 

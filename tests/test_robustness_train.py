@@ -29,7 +29,7 @@ from ddcl_vq.common.data import DataUnavailable, ImageFiles, build_dataset, fash
 from ddcl_vq.tokenizer.train import train
 from ddcl_vq.tokenizer.memory import NotEnoughMemory, check_fits, estimate
 from ddcl_vq.common.rundir import RunDirError
-from ddcl_vq.common.yamlfile import MAX_VALUES
+from ddcl_vq.common.config import MAX_VALUES
 from conftest import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -514,7 +514,7 @@ def test_whole_numbers_in_exponent_notation_are_integers(tmp_path, capsys):
     with pytest.raises(ConfigError, match="too large to be exact"):
         load_config(None, ["train.steps=1e300"])
     # command-line options read the same way
-    from ddcl_vq.common.settings import Options, option
+    from ddcl_vq.common.config import Options, option
     from dataclasses import dataclass
 
     @dataclass

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddcl_vq.common.errors import one_line
-from ddcl_vq.common.settings import ConfigError
+from ddcl_vq.common.config import ConfigError
 from ddcl_vq.common.dataerrors import CHECK_HINT, DataUnavailable, UnreadableImage, three_channels as _three_channels
 
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")

@@ -43,7 +43,7 @@ from ddcl_vq.common.rundir import RunLock, check_run_dir_setting, first_missing,
 def setup_distributed(device_pref: str = "auto") -> Dict:
     """Initialise torch.distributed from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK),
     if present: NCCL on GPUs, gloo on CPUs. -> {"rank", "world", "device"}."""
-    from ddcl_vq.common.settings import ConfigError
+    from ddcl_vq.common.config import ConfigError
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
     if device_pref == "cuda" and not torch.cuda.is_available():
@@ -85,8 +85,17 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 # ----------------------------------------------------------------------------- schedule and RNG
 def lr_schedule(steps: int, schedule: str = "cosine", warmup: int = 0, floor: float = 0.1) -> Callable[[int], float]:
     """The learning-rate factor at each step (for ``LambdaLR``): a linear warm-up over ``warmup`` steps,
-    then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after)."""
+    then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after).
+    ``"anneal"`` is FVQ's learning annealing (arXiv 2509.10140, its authors' ``combined_lr_lambda``, as run):
+    a linear warm-up from 0.005 over the first 10% of ``steps``, 1 for 30% of the rest, then linear to 0.01
+    at the last step (``warmup`` and ``floor`` are its own)."""
     def factor(step: int) -> float:
+        if schedule == "anneal":
+            ramp = int(0.1 * steps)
+            if step < ramp:
+                return 0.005 + 0.995 * step / max(1, ramp)
+            rest = max(0.0, min(1.0, (step - ramp) / max(1, steps - 1 - ramp)) - 0.3) / 0.7
+            return 0.01 + 0.99 * (1 - rest)
         if step < warmup:
             return (step + 1) / warmup
         if schedule == "constant":

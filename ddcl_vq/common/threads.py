@@ -22,7 +22,7 @@ import os
 import time
 from typing import List, Mapping, Optional, Tuple
 
-from ddcl_vq.common.settings import option
+from ddcl_vq.common.config import option
 
 #: the most threads the automatic choice takes (the small convolutional models gain little beyond a few)
 AUTO_MAX = 4

@@ -22,15 +22,16 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer, QuantizerOutput,
-                     SimVQQuantizer, VQPQuantizer)
+from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer,
+                     QuantizerOutput, SimVQQuantizer, VQPQuantizer)
 
 from ddcl_vq.models.loading import (check_config, check_size, index_maps, latent_grid, load_weights, read_config_file,
                       safetensors_header)
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
-                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer}
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer,
+                   "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -126,7 +127,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         {"format": "ddcl-vq/vqvae",
          "encoder_kwargs": {...Encoder arguments...}, "decoder_kwargs": {...Decoder arguments...},
-         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq" | "ibq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq" | "ibq" | "fvq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
 
     ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ and schedule step, for reading:
     the state itself is in the weights file) and keeps any other keys of ``model.config``

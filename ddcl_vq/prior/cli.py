@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 
 USAGE = """\
 usage: ddcl-vq prior SUBCOMMAND [ARGS ...]

@@ -1,6 +1,6 @@
 """The prior's typed config: YAML (``configs/prior_fashion.yaml``) + dotted overrides -> dataclasses.
 
-Read and checked by the same settings engine as the training config (:mod:`ddcl_vq.common.settings`):
+Read and checked by the same settings engine as the training config (:mod:`ddcl_vq.common.config`):
 an unknown key names the nearest valid one; a wrong type or a value out of range names the key.
 The command-line arguments of ``ddcl-vq prior train`` (the tokenizer, ``--tokens``, ``--test``)
 land in ``data.*``, so a prior directory's ``config.yaml`` says everything it was trained on.
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ddcl_vq.tokenizer import config as _config
-from ddcl_vq.tokenizer.config import differences, dump_config  # noqa: F401 - the same for a PriorConfig
-from ddcl_vq.common.settings import ConfigError, Rules, apply, check, check_finite, keys_of, nearest
+from ddcl_vq.common.config import (ConfigError, Rules, apply, check, check_finite, differences, dump_config,  # noqa: F401
+                                   keys_of, read_yaml_mapping)
+from ddcl_vq.common.config import apply_overrides as _apply_overrides
 
 
 @dataclass
@@ -96,11 +96,10 @@ def from_dict(raw: Dict[str, Any]) -> PriorConfig:
 
 
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    return _config.apply_overrides(raw, overrides, keys=all_keys(), unknown=lambda key: ConfigError(
-        f"unknown config key {key!r}; did you mean {nearest(key, sorted(all_keys()))!r}?"))
+    return _apply_overrides(raw, overrides, all_keys())
 
 
 def load_prior_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> PriorConfig:
     """YAML file (optional; built-in defaults without) + dotted overrides -> validated PriorConfig."""
-    raw = _config.read_yaml(Path(path), "config file") if path is not None else {}
+    raw = read_yaml_mapping(Path(path), "config file") if path is not None else {}
     return from_dict(apply_overrides(raw, overrides))

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.hints import where
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.common.threads import set_threads, threads_option
 
 from ddcl_vq.studies import config

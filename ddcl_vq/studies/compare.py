@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 from ddcl_vq.common.data import SPLITS
 from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.rundir import writable_dir
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
 from ddcl_vq.common.threads import set_threads, threads_option
 

@@ -25,7 +25,7 @@ A study YAML:
         eval_overrides: {data.name: digits}   # also evaluated on this (data.* only): a table of its own
 
 The file is read into :class:`StudyFile` by the same typed-settings code as the training config
-(:mod:`ddcl_vq.common.settings`): an unknown key names the nearest valid one, a wrong type or value
+(:mod:`ddcl_vq.common.config`): an unknown key names the nearest valid one, a wrong type or value
 says what was expected. ``null`` means "not set".
 
 Each arm's config = base <- part overrides <- sweep values <- arm overrides <- --quick <- command-line
@@ -60,9 +60,9 @@ import yaml
 
 from ddcl_vq.tokenizer.config import Config, apply_overrides
 from ddcl_vq.common.data import SPLITS
-from ddcl_vq.common.settings import ConfigError, Rules, build
+from ddcl_vq.common.config import ConfigError, Rules, build
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
-from ddcl_vq.common.yamlfile import read_yaml_mapping
+from ddcl_vq.common.config import read_yaml_mapping
 
 QUICK_OVERRIDES = ["model.channels=16", "model.res_hidden=8", "model.num_res_blocks=1", "model.latent_dim=8",
                    "data.batch_size=32", "train.steps=4", "train.log_every=2", "train.usage_window=2",

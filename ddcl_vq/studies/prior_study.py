@@ -38,9 +38,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import yaml
 
 from ddcl_vq.common.errors import UserError, entry_point
-from ddcl_vq.common.settings import ConfigError, Options, Rules, build, option
+from ddcl_vq.common.config import ConfigError, Options, Rules, build, option
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
-from ddcl_vq.common.yamlfile import read_yaml_mapping
+from ddcl_vq.common.config import read_yaml_mapping
 
 QUICK_PRIOR = ["model.dim=32", "model.layers=2", "model.heads=2", "train.batch_size=16", "train.steps=3",
                "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",

@@ -14,7 +14,7 @@ from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, architecture, b
 
 from ddcl_vq.tokenizer.config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
 from ddcl_vq.common.errors import one_line
-from ddcl_vq.common.settings import ConfigError, nearest
+from ddcl_vq.common.config import ConfigError, nearest
 
 
 def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Quantizer:
@@ -132,7 +132,7 @@ def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.
 
 
 def lr_lambda(t: TrainConfig):
-    """The tokenizer's learning-rate factor: ``train.lr_schedule`` over ``train.steps``, cosine to 10%, no warm-up."""
+    """The tokenizer's learning-rate factor: ``train.lr_schedule`` over ``train.steps`` (cosine to 10%, no warm-up)."""
     from ddcl_vq.common.skeleton import lr_schedule
     return lr_schedule(t.steps, t.lr_schedule, warmup=0, floor=0.1)
 

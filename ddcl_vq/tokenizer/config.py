@@ -2,7 +2,7 @@
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-Every key is checked up front (by :mod:`ddcl_vq.common.settings`, the checks every command's settings go through): an
+Every key is checked up front (by :mod:`ddcl_vq.common.config`, the checks every command's settings go through): an
 unknown key is an error naming the key and the nearest valid one; a wrong type or a value outside a key's choices names
 the key, what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
 
@@ -20,21 +20,22 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ddcl_vq import EMAVQ, IBQ_LOGITS, DDCLQuantizer, HardVQ, IBQQuantizer
+from ddcl_vq import EMAVQ, IBQ_LOGITS, DDCLQuantizer, FVQQuantizer, HardVQ, IBQQuantizer
 from ddcl_vq import ddcl as _ddcl
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
 from ddcl_vq.common.rundir import RunDirError
 from ddcl_vq.common.data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
-from ddcl_vq.common.settings import ConfigError, Rules, apply, check, check_finite, did_you_mean, keys_of, leaves
-from ddcl_vq.common.yamlfile import load_yaml_text, read_yaml_mapping  # bounded YAML (size, nesting, aliases, duplicate keys)
+from ddcl_vq.common.config import (ConfigError, Rules, apply, check, check_finite, did_you_mean, differences,  # noqa: F401
+                                   dump_config, keys_of, read_yaml_mapping)
+from ddcl_vq.common.config import apply_overrides as _apply_overrides
 
-__all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "parse_override", "all_keys",
-           "validate", "RENAMED", "migrate_renamed", "differences", "read_yaml", "QUANTIZER_CLASSES",
+__all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "all_keys",
+           "validate", "RENAMED", "migrate_renamed", "differences", "QUANTIZER_CLASSES",
            "NOT_IN_CONFIG", "signature_fields"]
 
 
@@ -84,7 +85,7 @@ ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword argume
 
 #: quantizer.type -> the class whose keyword arguments (and defaults) are the config's quantizer.* keys
 #: (``vqp`` has none of its own: ``quantizer.vqp`` is passed to vector-quantize-pytorch as it is)
-QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "ibq": IBQQuantizer}
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 #: constructor arguments that are not quantizer.* keys, and where their value comes from
 NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
                  "schedule_steps": "train.steps", "chunk_size": "the constructor default",
@@ -135,7 +136,7 @@ class TrainConfig:
     lr: float = 2e-3                         # encoder/decoder learning rate (AdamW)
     codebook_lr_ratio: float = 3.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
     weight_decay: float = 0.0
-    lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
+    lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr) | anneal (FVQ's: skeleton.lr_schedule)
     quantizer_loss_weight: float = 1.0
     grad_clip: float = 1.0                   # max global grad norm; 0 = off
     amp: str = "none"                        # none | bf16 | fp16 (autocast; the quantizer stays float32)
@@ -193,7 +194,7 @@ CHOICES = {
     "data.name": ("fashion_mnist", "mnist", "cifar10", "image_folder", "natural_patches", "digits"),
     "quantizer.type": tuple(QUANTIZER_TYPES), "quantizer.logits": IBQ_LOGITS,
     "quantizer.distance": ("euclidean", "cosine"),  # HardVQ's (it has no public tuple yet)
-    "train.lr_schedule": ("constant", "cosine"), "train.amp": ("none", "bf16", "fp16"),
+    "train.lr_schedule": ("constant", "cosine", "anneal"), "train.amp": ("none", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"), "model.arch": ("vqvae", "vqgan"), "data.augment": ("none", "crop_flip"),
     "loss.pixel": ("l1", "l2"), "loss.perceptual_net": ("vgg", "alex"),
     "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
@@ -338,64 +339,18 @@ def _validate_loss(cfg: Config) -> None:
                               f"least {need}px, got data.image_size={cfg.data.image_size}; lower loss.disc_layers")
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise ConfigError(f"expected an override of the form dotted.key=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    try:
-        value = load_yaml_text(raw, f"override {key.strip()!r}") if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
-def read_yaml(path: Path, what: str) -> Dict[str, Any]:
-    """A config file's settings: bounded YAML (:mod:`.yamlfile`) whose top level is a mapping ({} when empty);
-    a ConfigError naming the file otherwise (a list at the top is refused here, not when an override is set)."""
-    return read_yaml_mapping(path, what)
-
-
-def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], *, keys: Optional[Sequence[str]] = None,
-                    unknown: Optional[Callable[[str], ConfigError]] = None) -> Dict[str, Any]:
-    """A copy of ``raw`` with every ``dotted.key=value`` override set. ``keys``, ``unknown``: the valid keys and
-    the error for another one (default: the training config's, where a quantizer.vqp/simvq/lfq keyword passes)."""
-    if raw is not None and not isinstance(raw, dict):
-        raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
-    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
-    valid = set(all_keys() if keys is None else keys)
-    for text in overrides:
-        key, value = parse_override(text)
-        parts = key.split(".")
-        is_vqp_kwarg = (keys is None and len(parts) == 3 and parts[0] == "quantizer"
-                        and parts[1] in ("vqp", "simvq", "lfq"))
-        if key not in valid and not is_vqp_kwarg:
-            raise (unknown or _unknown_key)(key)
-        node = raw
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"config key {key!r}: {part!r} is not a section")
-        node[parts[-1]] = value
-    return raw
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """A copy of ``raw`` with every training-config override set (a quantizer.vqp/simvq/lfq keyword passes)."""
+    return _apply_overrides(raw, overrides, all_keys(), _unknown_key, ("quantizer.vqp", "quantizer.simvq", "quantizer.lfq"))
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, migrate: bool = False) -> Config:
     """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
     (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
-    raw: Dict[str, Any] = read_yaml(Path(path), "config file") if path is not None else {}
+    raw: Dict[str, Any] = read_yaml_mapping(Path(path), "config file") if path is not None else {}
     if migrate and path is not None:
         raw = migrate_renamed(raw)
     return Config.from_dict(apply_overrides(raw, overrides), saved=migrate)
-
-
-def differences(old: Config, new: Config) -> List[Tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
-    new_values = dict(leaves(new))
-    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 #: settings that may change when a run resumes: how long it trains, what it logs and keeps, where it runs (train.steps:
@@ -434,7 +389,7 @@ def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) 
         elif key == "train.steps" and new < trained_steps:
             fewer = (key, old, new)
         elif key == "train.steps":
-            stretched = [what for what, on in (("the cosine learning-rate schedule", cfg.train.lr_schedule == "cosine"),
+            stretched = [what for what, on in (("the learning-rate schedule", cfg.train.lr_schedule != "constant"),
                                                ("the temperature schedule", cfg.quantizer.type == "ddcl"
                                                 and cfg.quantizer.temperature_schedule != "constant")) if on]
             if stretched:

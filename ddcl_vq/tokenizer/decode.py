@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
 
 from ddcl_vq.tokenizer.tokens import TokenFileError, check_out, read_tokens

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import Options, option
+from ddcl_vq.common.config import Options, option
 
 from ddcl_vq.tokenizer.export_checks import (EXPORT_FILES, ExportError, check_inputs as _check_inputs, check_out_dir, move_into_place,
                      staging_folder)

@@ -42,7 +42,7 @@ from ddcl_vq.usage import CodebookUsage
 from ddcl_vq.blocks import nearest_other_code
 from ddcl_vq.common.data import SPLITS
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
 
 from ddcl_vq.tokenizer.evaluate import EvaluateError, load_run

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from ddcl_vq.common.settings import ConfigError
+from ddcl_vq.common.config import ConfigError
 
 #: quantizer state that belongs to the run, not to the weights: a new run starts its own
 NEW_RUN_STATE = ("quantizer.schedule", "quantizer.schedule_step", "quantizer.revived")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddcl_vq.common.settings import ConfigError
+from ddcl_vq.common.config import ConfigError
 
 __all__ = ["NLayerDiscriminator", "hinge_d_loss", "vanilla_d_loss", "discriminator_loss", "generator_adv_loss",
            "pixel_loss", "adaptive_weight", "decoder_last_layer", "GANStep", "is_plain_mse", "PIXEL_LOSSES",

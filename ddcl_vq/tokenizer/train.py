@@ -37,7 +37,7 @@ from ddcl_vq.tokenizer.losses import GANStep
 from ddcl_vq.tokenizer.memory import NotEnoughMemory, check_fits
 from ddcl_vq.common.rundir import note
 from ddcl_vq.tokenizer.config import check_resume, finished_summary, saved_config
-from ddcl_vq.common.settings import ConfigError
+from ddcl_vq.common.config import ConfigError
 from ddcl_vq.common.skeleton import TrainingRun, is_due, setup_distributed, teardown_distributed, wrap_ddp  # noqa: F401 - the commands import them here
 from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE, reconstruction_pass
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 
 HELP = """\
 Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options, e.g.

@@ -12,7 +12,7 @@ import torch
 
 from ddcl_vq.common.machine import load_average, machine_info
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import ConfigError, Options, Rules, option
+from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
 from ddcl_vq.studies.bench.cost import IMPLS, calibrate, plan_measurements
 from ddcl_vq.studies.bench.memory import available_memory_bytes, probe_main

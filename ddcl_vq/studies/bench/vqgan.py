@@ -34,7 +34,7 @@ def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
         from ddcl_vq.common.data import build_dataset, image_channels
         from ddcl_vq.tokenizer.losses import GANStep
         from ddcl_vq.tokenizer.train import mixed_precision
-        from ddcl_vq.common.settings import ConfigError
+        from ddcl_vq.common.config import ConfigError
     except ImportError as err:
         return None, f"the training package cannot be imported ({err})"
     path = configs / VQGAN_CONFIG

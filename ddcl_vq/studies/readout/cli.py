@@ -17,7 +17,7 @@ import torch
 from ddcl_vq.common.machine import describe_machine
 from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.settings import ConfigError, Options, Rules, option
+from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
 from ddcl_vq.studies.readout.train import ARMS, load_patches, train_arm
 

@@ -1,14 +1,19 @@
-"""Typed settings: one way to declare and validate the settings of every command.
+"""Settings: one way to read, declare and validate what every command is told.
 
-Settings are dataclass fields (name, type, default). Values come from YAML mappings and dotted overrides (the training
-config, :mod:`ddcl_vq.tokenizer.config`; the study file, :mod:`ddcl_vq.studies.config`) or from command-line options
-(each command's options dataclass, read by :class:`Options`); either way they are checked by the same code:
+- **YAML, bounded**: config files and override values are read with limits (:data:`MAX_BYTES` of text,
+  :data:`MAX_DEPTH` levels of nesting checked on the parser's events, :data:`MAX_VALUES` values with every
+  alias expanded, no recursive alias, no key twice in one mapping), so a hostile or broken file fails at once
+  with one line instead of taking minutes and gigabytes; errors never print the document's values; safe
+  loading only.
+- **Typed settings**: dataclass fields (name, type, default) filled from YAML mappings and ``dotted.key=value``
+  overrides (the training config, :mod:`ddcl_vq.tokenizer.config`; the prior's; the study file) or from
+  command-line options (each command's options dataclass, read by :class:`Options`); either way checked by the
+  same code: an unknown key names the nearest valid one; a value of the wrong type names the key, what was
+  expected and what came; :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every
+  value is in.
 
-- an unknown key is an error naming the key and the nearest valid one;
-- a value of the wrong type is an error naming the key, what was expected and what came;
-- :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every value is in.
-
-Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.common.errors.UserError`, which the commands print as one line.
+Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.common.errors.UserError`, which the commands print as one
+line.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import math
 import re
 import typing
 from dataclasses import MISSING, dataclass, field
+from pathlib import Path
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ddcl_vq.common.errors import DEBUG_FLAG, UserError
+import yaml
 
+from ddcl_vq.common.errors import DEBUG_FLAG, UserError
 
 class ConfigError(UserError, ValueError):
     """A setting's key or value is invalid; the message names the setting."""
@@ -368,3 +375,175 @@ class Options:
                 raise ConfigError(f"{self.label(name)}: expected a finite number, got {bad[0]!r}")
         check(obj, self.rules, self.label)
         return obj
+
+
+
+# ----------------------------------------------------------------------------- YAML
+MAX_BYTES = 1 << 20        # 1 MiB: a config is a few hundred bytes
+MAX_DEPTH = 64             # mappings and lists nested in each other
+MAX_VALUES = 100_000       # scalars, mappings and lists, aliases expanded
+
+
+def _check_events(text: str, what: str) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{what} nests mappings and lists more than {MAX_DEPTH} levels deep (line "
+                                  f"{event.start_mark.line + 1}); a config needs a few")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _expanded_size(root: yaml.Node, what: str) -> int:
+    """How many values the document holds with every alias expanded (shared nodes counted each
+    time they are used); ConfigError for a recursive alias or more than MAX_VALUES values."""
+    sizes: Dict[int, int] = {}
+    open_nodes = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{what} has a recursive alias (line {node.start_mark.line + 1}: a mapping or list "
+                              "that contains itself)")
+        open_nodes.add(key)
+        total = 1
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else [])
+        for child in children:
+            total += size(child)
+            if total > MAX_VALUES:
+                raise ConfigError(f"{what} expands to more than {MAX_VALUES:,} values once its aliases (*name) are "
+                                  "expanded (an alias bomb?); write the values out")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _check_duplicate_keys(root: yaml.Node, what: str) -> None:
+    """ConfigError for a mapping that has the same (scalar) key twice."""
+    seen_nodes = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: Dict[tuple, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    ident = (key.tag, key.value)
+                    if ident in keys:
+                        raise ConfigError(f"{what} has the key {key.value!r} twice in one mapping (lines "
+                                          f"{keys[ident]} and {key.start_mark.line + 1}); YAML would keep the "
+                                          "last one without a word: remove one")
+                    keys[ident] = key.start_mark.line + 1
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+
+
+def load_yaml_text(text: str, what: str) -> Any:
+    """The YAML document in ``text`` (None when empty), read within the limits above; yaml.YAMLError
+    for text that is not YAML, ConfigError (naming ``what``) when a limit is exceeded."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"{what} is {len(text):,} characters long, more than the {MAX_BYTES:,} a config may have")
+    _check_events(text, what)
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node, what)
+        _check_duplicate_keys(node, what)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """The YAML document in ``path`` ({} when empty); any reason it cannot be read is a ConfigError."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a directory, expected a YAML file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ConfigError(f"{what} {str(path)!r} is {size:,} bytes, more than the {MAX_BYTES:,} a config may have")
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # a file that grew since stat, or a FIFO: still bounded
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} on line "
+                          f"{line}); save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+    try:
+        return load_yaml_text(text, f"{what} {str(path)!r}") or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
+def read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
+    """:func:`read_yaml` for a file whose top level must be a mapping (a config or a study file)."""
+    raw = read_yaml(path, what)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {str(path)!r}: expected a mapping at the top, got {type(raw).__name__}")
+    return raw
+
+
+# ----------------------------------------------------------------------------- config files and overrides
+def parse_override(text: str) -> tuple[str, Any]:
+    """``dotted.key=value`` -> (key, the value read as YAML; the text itself when it is not YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"expected an override of the form dotted.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = load_yaml_text(raw, f"override {key.strip()!r}") if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], keys: Sequence[str],
+                    unknown: Optional[Callable[[str], ConfigError]] = None,
+                    open_sections: Sequence[str] = ()) -> Dict[str, Any]:
+    """A copy of ``raw`` with every ``dotted.key=value`` override set. ``keys``: the valid keys; ``unknown``: the
+    error for another one (default: naming the nearest valid key); ``open_sections``: sections whose sub-keys
+    pass as they are (``quantizer.vqp``: a peer library's keyword arguments)."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    valid = set(keys)
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        if key not in valid and ".".join(parts[:-1]) not in open_sections:
+            raise (unknown or (lambda k: ConfigError(f"unknown {config_key(k)}; {did_you_mean(k, sorted(valid))}")))(key)
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return raw
+
+
+def differences(old: Any, new: Any) -> List[Tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
+    new_values = dict(leaves(new))
+    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
+
+
+def dump_config(cfg: Any) -> str:
+    """A resolved config (a dataclass) as YAML, in its fields' order."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
