@@ -12,15 +12,15 @@ from typing import List, Optional
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "train": ("ddcl_vq.tokenizer.train_cli", "train a VQ-VAE from a YAML config (also: python -m ddcl_vq train, torchrun -m ddcl_vq train)"),
+    "train": ("ddcl_vq.tokenizer.train", "train a VQ-VAE from a YAML config (also: python -m ddcl_vq train, torchrun)"),
     "evaluate": ("ddcl_vq.tokenizer.evaluate", "evaluate a run directory on a dataset split -> RUN_DIR/eval.json"),
-    "gap": ("ddcl_vq.tokenizer.gap", "where a run's error comes from: quantization vs the autoencoder, codebook vs k-means"),
+    "gap": ("ddcl_vq.tokenizer.gap", "where a run's error comes from: quantizer vs autoencoder, codebook vs k-means"),
     "compare": ("ddcl_vq.studies.compare", "compare run directories -> table.md/.csv/.json and PNG plots"),
     "study": ("ddcl_vq.studies.cli", "train, evaluate and compare every arm of a study config"),
     "bench": ("ddcl_vq.studies.bench.cli", "quantizer speed and memory, side by side with the peers"),
     "readout-study": ("ddcl_vq.studies.readout.cli", "DDCL readout vs mean pooling vs class token on Fashion-MNIST"),
-    "export": ("ddcl_vq.tokenizer.export", "a run -> a model folder (config.json + safetensors) for VQVAE.from_pretrained"),
-    "tokenize": ("ddcl_vq.tokenizer.tokenize", "a dataset split -> hard code indices (.npy / safetensors) for a prior"),
+    "export": ("ddcl_vq.tokenizer.export", "a run -> a model folder (config.json + weights) for VQVAE.from_pretrained"),
+    "tokenize": ("ddcl_vq.tokenizer.tokens", "a dataset split -> hard code indices (.npy / safetensors) for a prior"),
     "decode": ("ddcl_vq.tokenizer.decode", "code indices (.npy / safetensors) -> a PNG grid of decoded images"),
     "prior": ("ddcl_vq.prior.cli", "a transformer prior over the codes: train, sample (-> images), evaluate, study"),
 }

@@ -1,23 +1,8 @@
-"""A small process-wide pool of single-threaded CPU workers for blocked computations.
+"""A small process-wide pool of single-threaded CPU workers for blocked computations (only torch).
 
-:func:`run_blocks` runs one computation made of independent row blocks (the fused and
-chunked DDCL assignment in :mod:`ddcl_vq.fused`): one worker does the set-up, every
-worker takes a static round-robin share of the blocks (so float sums are deterministic),
-one worker reduces and finishes. Each worker's ops are single-threaded, so a call costs two
-barriers instead of one intra-op fork/join per op (dozens per block), which matters most
-when the cores are shared with other jobs.
-
-What it costs, and the switch:
-
-* the pool is created on first use, once per process and worker count (the caller's
-  ``torch.get_num_threads()``), and recreated in a forked child;
-* one call runs on the pool at a time: the blocks of a call wait for each other, so
-  concurrent callers (other Python threads) queue behind a lock;
-* ``set_parallel_blocks(False)`` (or ``DDCL_VQ_PARALLEL_BLOCKS=0`` in the environment at
-  import) turns it off: blocks then run in the calling thread with torch's intra-op
-  threads, no pool, no lock. The results are the same up to float summation order.
-
-Nothing here knows about DDCL; only torch and the standard library.
+:func:`run_blocks` runs one computation made of independent row blocks: one worker sets up, every worker takes a
+static round-robin share of the blocks (deterministic sums), one worker reduces. ``set_parallel_blocks(False)`` (or
+``DDCL_VQ_PARALLEL_BLOCKS=0`` at import) runs the blocks in the calling thread instead.
 """
 from __future__ import annotations
 
@@ -39,8 +24,7 @@ _CALL_LOCK = threading.Lock()     # one call at a time on the pool (its tasks wa
 
 
 def set_parallel_blocks(enabled: bool) -> bool:
-    """Run blocked computations on the worker pool (True, the default) or in the calling
-    thread (False). Returns the previous setting."""
+    """Run blocked computations on the worker pool (True, the default) or not; -> the previous setting."""
     global _ENABLED
     previous, _ENABLED = _ENABLED, bool(enabled)
     return previous
@@ -81,16 +65,14 @@ def _pool(size: int):
             for _ in range(size):
                 pool.submit(lambda: None)
             barrier.wait()
-            # torch.set_num_threads in the workers also set the process-wide default that
-            # new threads start from; put it back (this thread's own setting is unchanged).
+            # the workers' set_num_threads also set the process-wide default: put it back
             torch.set_num_threads(restore)
             _POOL, _POOL_KEY = pool, key
         return _POOL
 
 
 def num_workers(x: Tensor, num_blocks: int) -> int:
-    """Workers for a blocked call on ``x``'s device: the caller's intra-op thread count on
-    CPU when the pool is enabled and there are at least two blocks, else 1."""
+    """Workers for a blocked call on ``x``: the caller's intra-op threads on the CPU (pool on, 2+ blocks), else 1."""
     if x.device.type != "cpu" or num_blocks < 2 or not _ENABLED:
         return 1
     return max(1, min(torch.get_num_threads(), num_blocks))
@@ -98,15 +80,10 @@ def num_workers(x: Tensor, num_blocks: int) -> int:
 
 def run_blocks(x: Tensor, num_blocks: int, setup: Callable[[], Any], make_state: Callable[[Any], Any],
                body: Callable[[Any, Any, int, int], None], finish: Callable[[Any, List[Any]], Any]):
-    """Run one blocked computation; returns ``finish(c, states)``.
-
-    ``setup() -> c`` (with ``c.bounds``, the (i0, i1) row range of every block) runs once;
-    ``make_state(c)`` gives each worker its private buffers and accumulators;
-    ``body(c, state, i0, i1)`` runs once per block (a worker takes blocks rank, rank + W, ...);
-    ``finish(c, states)`` reduces the workers' states in rank order. With one worker (GPU
-    tensors, one block, the pool switched off) everything runs in the calling thread.
-    Worker threads run under ``torch.no_grad()``; an exception in any of them is re-raised here.
-    """
+    """Run one blocked computation; returns ``finish(c, states)``. ``setup() -> c`` (with ``c.bounds``,
+    each block's (i0, i1) rows) runs once; ``make_state(c)`` gives each worker its buffers;
+    ``body(c, state, i0, i1)`` runs once per block (worker r takes blocks r, r + W, ...);
+    ``finish(c, states)`` reduces in rank order. Workers run under ``torch.no_grad()``."""
     workers = num_workers(x, num_blocks)
     if workers <= 1:
         c = setup()

@@ -33,12 +33,8 @@ def broadcast_(t: Tensor, src: int = 0) -> Tensor:
 
 
 def gather_rows(x: Tensor, rows_per_rank: int, generator: torch.Generator | None = None) -> Tensor:
-    """Sample ``rows_per_rank`` rows of (N, D) ``x`` on every process and concatenate them
-    in rank order, so every process returns the same (world·rows, D) matrix.
-
-    Every rank must pass the same ``rows_per_rank`` (≤ N); rows are drawn with replacement
-    when N < rows_per_rank.
-    """
+    """``rows_per_rank`` rows of (N, D) ``x`` sampled on every process (with replacement when N is
+    smaller), concatenated in rank order: the same (world·rows, D) matrix on every process."""
     n = x.shape[0]
     if n >= rows_per_rank:
         pick = torch.randperm(n, generator=generator, device="cpu")[:rows_per_rank]
@@ -54,8 +50,7 @@ def gather_rows(x: Tensor, rows_per_rank: int, generator: torch.Generator | None
 
 @torch.no_grad()
 def replicas_identical(module: torch.nn.Module) -> bool:
-    """True when every floating parameter and buffer of ``module`` is bit-identical on all
-    processes (always True in a single process). Every process must call it."""
+    """True when every floating parameter and buffer of ``module`` is bit-identical on all processes."""
     if not is_distributed():
         return True
     tensors = [t.detach().reshape(-1).double() for t in list(module.parameters()) + list(module.buffers())

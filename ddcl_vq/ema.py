@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, squared_distances, unflatten
-from .distributed import all_reduce_sum_, broadcast_, gather_rows
+from .base import QuantizerOutput, Quantizer, check_finite, squared_distances
+from .distributed import all_reduce_sum_, broadcast_, gather_rows, world_size
 
 
 class EMAVQ(Quantizer):
@@ -24,17 +24,16 @@ class EMAVQ(Quantizer):
             random batch vectors (sampled across processes, identical everywhere); 0 = off.
     """
 
+    term_names = ("commitment",)
+
     def __init__(self, num_codes: int, dim: int, *, decay: float = 0.99, eps: float = 1e-5,
                  beta: float = 0.25, dead_code_threshold: float = 0.0, channel_dim: int = 1):
         super().__init__(num_codes, dim, channel_dim)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"expected 0 <= decay < 1, got {decay!r}")
-        if not eps > 0:
-            raise ValueError(f"expected eps > 0, got {eps!r}")
-        if not beta >= 0 or not dead_code_threshold >= 0:
-            raise ValueError(f"expected beta >= 0 and dead_code_threshold >= 0, got {beta!r}, {dead_code_threshold!r}")
-        self.decay, self.eps, self.beta = float(decay), float(eps), float(beta)
-        self.dead_code_threshold = float(dead_code_threshold)
+        self.decay, self.eps = float(decay), check_finite("eps", eps, positive=True)
+        self.beta = check_finite("beta", beta)
+        self.dead_code_threshold = check_finite("dead_code_threshold", dead_code_threshold)
         embed = torch.randn(num_codes, dim)
         self.register_buffer("embed", embed)
         self.register_buffer("cluster_size", torch.ones(num_codes))
@@ -48,8 +47,7 @@ class EMAVQ(Quantizer):
     @torch.no_grad()
     def _update(self, x: Tensor, indices: Tensor) -> None:
         if not getattr(self, "_synced", False):
-            # Start every process from rank 0's codebook (DDP with broadcast_buffers=False does
-            # not copy buffers); afterwards the all-reduced statistics keep them identical.
+            # every process starts from rank 0's codebook; the all-reduced statistics keep them identical
             for buf in (self.embed, self.embed_sum, self.cluster_size):
                 broadcast_(buf)
             self._synced = True
@@ -74,7 +72,6 @@ class EMAVQ(Quantizer):
         num_dead = int(dead.sum())
         if num_dead == 0:
             return 0
-        from .distributed import world_size
         per_rank = -(-num_dead // world_size())
         pool = gather_rows(x.to(self.embed.dtype), per_rank)[:num_dead]
         broadcast_(pool)
@@ -84,27 +81,16 @@ class EMAVQ(Quantizer):
         self.restarts += num_dead
         return num_dead
 
-    def forward(self, z: Tensor) -> QuantizerOutput:
-        flat, last_shape = flatten(z, self.dim, self.channel_dim)
-        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
-            return self.empty_output(flat, last_shape, ("commitment",))
-        dtype = compute_dtype(z)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            x = flat.to(dtype)
-            w = self.embed.to(dtype)
-            with torch.no_grad():
-                indices = squared_distances(x, w).argmin(1)
-            hard = w[indices]
-            commitment = (x - hard).pow(2).sum(1).mean()
-            loss = self.beta * commitment / self.dim
-            out = hard.detach() + (x - x.detach())  # value exactly w_{k*}, gradient identity
-            if self.training:
-                self._update(x.detach(), indices)
-        return QuantizerOutput(
-            quantized=unflatten(out.to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"commitment": commitment.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+    def quantize(self, x: Tensor) -> QuantizerOutput:
+        w = self.embed.to(x.dtype)
+        with torch.no_grad():
+            indices = squared_distances(x, w).argmin(1)
+        hard = w[indices]
+        commitment = (x - hard).pow(2).sum(1).mean()
+        out = hard.detach() + (x - x.detach())  # value exactly w_{k*}, gradient identity
+        if self.training:
+            self._update(x.detach(), indices)
+        return QuantizerOutput(out, indices, self.beta * commitment / self.dim, {"commitment": commitment.detach()})
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", decay={self.decay:g}, beta={self.beta:g}, "

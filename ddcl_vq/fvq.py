@@ -1,10 +1,7 @@
 """FVQ, "FullVQ" (Chang et al. 2025, "Scalable Training for Vector-Quantized Networks with 100% Codebook
 Utilization", arXiv 2509.10140): a learned codebook seen only through VQBridge, plus learning(-rate) annealing.
 
-Written after the authors' code, github.com/yfChang-cv/FVQ: ``tokenizer/tokenizer_image/qbridge_ViT.py``
-(``VQBridge``, the ViT form the README calls the paper's method) and ``vq_model_qbridge_release.py``
-(``VectorQuantizer``); the annealing is ``combined_lr_lambda`` of ``vq_train_qbridge_lr_release.py`` run as
-``scripts/recon/FVQ-*.sh`` (``--sche_type lin --warmup_ep 4 --epochs 40``, ``--lrT`` 0.3)::
+Written after the authors' code (github.com/yfChang-cv/FVQ, ``qbridge_ViT.py`` and ``vq_model_qbridge_release.py``)::
 
     E        (K, D) parameter, U(−1/K, 1/K)             the raw codebook
     C = VQBridge(E)                                     the codes (K, D): E laid out as a D-channel h×w
@@ -16,14 +13,8 @@ Written after the authors' code, github.com/yfChang-cv/FVQ: ``tokenizer/tokenize
     z_q      = z + sg(C_{k*} − z)                      (identity straight-through)
     loss     = mean(C_{k*} − sg z)² + β·mean(sg C_{k*} − z)²,   β = 0.25
 
-No residual: the codes are the bridge's output alone (all zero at initialisation, its last layer being zero).
-Every code is a function of every bridge weight, so each step moves the whole codebook, not only the chosen
-rows. ``codebook`` is C; the trained C can be exported as a plain VQ codebook (the authors'
-``convert_fullvq2vq.py``): the bridge costs nothing at inference.
-
-The annealing is a learning-rate schedule for the whole optimizer (encoder, decoder, E and bridge), not a
-part of the quantizer: the training config's ``train.lr_schedule: anneal`` (the authors' factor, in
-:func:`ddcl_vq.common.skeleton.lr_schedule`).
+Every code depends on every bridge weight, so each step moves the whole codebook. ``codebook`` is C. The
+learning annealing is the training config's ``train.lr_schedule: anneal``.
 """
 from __future__ import annotations
 
@@ -36,7 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, squared_distances, unflatten
+from .base import QuantizerOutput, Quantizer, check_finite, check_positive_int, squared_distances
 
 __all__ = ["FVQQuantizer", "VQBridge", "bridge_grid"]
 
@@ -44,8 +35,7 @@ LN_EPS = 1e-6
 
 
 def bridge_grid(num_codes: int, patch_size: int) -> Tuple[int, int]:
-    """(h, w) with h·w = K, both multiples of ``patch_size``, h ≤ w and h largest: the authors' √K × √K
-    when K is a square whose side ``patch_size`` divides (their only case). ValueError if there is none."""
+    """(h, w) with h·w = K, both multiples of ``patch_size``, h ≤ w and h largest; ValueError if there is none."""
     best = None
     for h in range(patch_size, math.isqrt(num_codes) + 1, patch_size):
         if num_codes % h == 0 and (num_codes // h) % patch_size == 0:
@@ -110,11 +100,9 @@ class _FinalLayer(nn.Module):
 class VQBridge(nn.Module):
     """The authors' ``VQBridge`` (qbridge_ViT.py) on a (K, D) codebook -> (K, D) codes.
 
-    Code k sits at (k // w, k % w) of an h×w grid (:func:`bridge_grid`); each p×p patch of codes is one
-    token (compress, Conv2d D -> ``hidden``), ``depth`` ViT blocks mix the (h/p)·(w/p) tokens (process), and
-    a zero-initialised linear maps each token back to its p·p codes (recover). Sub-module names are the
-    authors' (``x_embedder.proj``, ``blocks.i.attn.qkv`` ...), so their ``quantize.qbridge.*`` weights load.
-    Initialisation as theirs: Xavier-uniform weights, zero biases, the last linear all zero.
+    Code k sits at (k // w, k % w) of an h×w grid (:func:`bridge_grid`); each p×p patch of codes is one token,
+    ``depth`` ViT blocks mix the tokens, a zero-initialised linear maps each back to its p·p codes. Sub-module names
+    and initialisation are the authors' (their ``quantize.qbridge.*`` weights load).
     """
 
     def __init__(self, num_codes: int, dim: int, *, patch_size: int = 4, hidden: int = 256, depth: int = 2,
@@ -148,40 +136,31 @@ class VQBridge(nn.Module):
         return rearrange(x, "1 (gh gw) (p q d) -> (gh p gw q) d", gh=h // p, p=p, q=p)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"expected {name} to be a positive int, got {value!r}")
-    return value
-
-
 class FVQQuantizer(Quantizer):
-    """FVQ: nearest-code VQ against VQBridge(E), the authors' loss and straight-through (their learning-rate
-    annealing is the training loop's ``train.lr_schedule: anneal``).
+    """FVQ: nearest-code VQ against VQBridge(E), with the authors' loss and straight-through.
 
     Args:
         num_codes: K; must be h·w with both sides multiples of ``patch_size`` (:func:`bridge_grid`).
         dim: D.
         beta: weight of the commitment term mean(sg C_{k*} − z)² (the codebook term has weight 1), 0.25.
-        patch_size, bridge_dim, bridge_depth, bridge_heads: the bridge's p, width H, ViT blocks and heads;
-            the defaults are the authors' K = 16,384 setting "QBridge-L/4" (p 4, H 256 = 4 heads × 64,
-            2 blocks; they use p 8 for K = 65,536 and 262,144). The MLP ratio is theirs, 2.
+        patch_size, bridge_dim, bridge_depth, bridge_heads: the bridge's p, width H, ViT blocks and heads
+            (the defaults: the authors' "QBridge-L/4").
 
-    ``loss`` = (codebook + β·commitment) / D; ``terms``: ``codebook`` (‖C_{k*} − sg z‖²) and ``commitment``
-    (‖sg C_{k*} − z‖²), sums over D, means over vectors. ``quantized`` has exactly the value C_{k*} and the
-    identity gradient into z. Computes in float32 (float64 stays float64), autocast off; returns z's dtype.
+    ``loss`` = (codebook + β·commitment) / D (``terms``: ‖C_{k*} − sg z‖² and ‖sg C_{k*} − z‖²);
+    ``quantized`` has exactly the value C_{k*} and the identity gradient into z.
     """
+
+    term_names = ("codebook", "commitment")
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, beta: float = 0.25, patch_size: int = 4,
                  bridge_dim: int = 256, bridge_depth: int = 2, bridge_heads: int = 4):
         super().__init__(num_codes, dim, channel_dim)
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
-            raise ValueError(f"expected beta >= 0 and finite, got {beta!r}")
+        self.beta = check_finite("beta", beta)
         for name, value in (("patch_size", patch_size), ("bridge_dim", bridge_dim), ("bridge_depth", bridge_depth),
                             ("bridge_heads", bridge_heads)):
-            _positive_int(name, value)
+            check_positive_int(name, value)
         if bridge_dim % bridge_heads:
             raise ValueError(f"expected bridge_dim divisible by bridge_heads={bridge_heads}, got {bridge_dim}")
-        self.beta = float(beta)
         self.patch_size, self.bridge_dim, self.bridge_depth, self.bridge_heads = (
             patch_size, bridge_dim, bridge_depth, bridge_heads)
         self.bridge = VQBridge(num_codes, dim, patch_size=patch_size, hidden=bridge_dim, depth=bridge_depth,
@@ -199,28 +178,17 @@ class FVQQuantizer(Quantizer):
         """(K, D): the codes the decoder sees, VQBridge(E)."""
         return self.codes(torch.float64 if self.weight.dtype == torch.float64 else torch.float32)
 
-    def forward(self, z: Tensor) -> QuantizerOutput:
-        """(B, D, *S) or (..., D) -> quantized of the same shape and dtype, indices (B, *S) or (...)."""
-        flat, last_shape = flatten(z, self.dim, self.channel_dim)
-        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
-            return self.empty_output(flat, last_shape, ("codebook", "commitment"))
-        dtype = compute_dtype(z)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            x = flat.to(dtype)
-            codes = self.codes(dtype)
-            with torch.no_grad():
-                centre = codes.mean(0, keepdim=True)
-                indices = squared_distances(x - centre, codes - centre).argmin(1)
-            hard = codes[indices]
-            codebook_term = (hard - x.detach()).pow(2).sum(1).mean()
-            commitment = (hard.detach() - x).pow(2).sum(1).mean()
-            loss = (codebook_term + self.beta * commitment) / self.dim
-            quantized = hard.detach() + (x - x.detach())   # value C_{k*} exactly, gradient the identity
-        return QuantizerOutput(
-            quantized=unflatten(quantized.to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"codebook": codebook_term.detach(), "commitment": commitment.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+    def quantize(self, x: Tensor) -> QuantizerOutput:
+        codes = self.codes(x.dtype)
+        with torch.no_grad():
+            centre = codes.mean(0, keepdim=True)
+            indices = squared_distances(x - centre, codes - centre).argmin(1)
+        hard = codes[indices]
+        codebook_term = (hard - x.detach()).pow(2).sum(1).mean()
+        commitment = (hard.detach() - x).pow(2).sum(1).mean()
+        quantized = hard.detach() + (x - x.detach())   # value C_{k*} exactly, gradient the identity
+        return QuantizerOutput(quantized, indices, (codebook_term + self.beta * commitment) / self.dim,
+                               {"codebook": codebook_term.detach(), "commitment": commitment.detach()})
 
     def describe(self) -> Dict[str, Any]:
         return {"patch_size": self.patch_size, "bridge_dim": self.bridge_dim, "bridge_depth": self.bridge_depth,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, squared_distances, unflatten
+from .base import QuantizerOutput, Quantizer, check_finite, squared_distances
 from .kmeans import kmeans_init_
 
 #: HardVQ's allowed distances, and its choice arguments -> allowed values (the default: the signature)
@@ -26,14 +26,14 @@ class HardVQ(Quantizer):
         kmeans_init: initialise the codebook with k-means on the first training batch.
     """
 
+    term_names = ("codebook", "commitment")
+
     def __init__(self, num_codes: int, dim: int, *, beta: float = 0.25, distance: str = "euclidean",
                  kmeans_init: bool = False, channel_dim: int = 1):
         super().__init__(num_codes, dim, channel_dim)
         if distance not in DISTANCES:
             raise ValueError(f"expected distance 'euclidean' or 'cosine', got {distance!r}")
-        if not beta >= 0:
-            raise ValueError(f"expected beta >= 0, got {beta!r}")
-        self.beta = float(beta)
+        self.beta = check_finite("beta", beta)
         self.distance = distance
         self.weight = nn.Parameter(torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes))
         self.register_buffer("initialized", torch.tensor(not kmeans_init))
@@ -42,31 +42,21 @@ class HardVQ(Quantizer):
     def codebook(self) -> Tensor:
         return F.normalize(self.weight, dim=1) if self.distance == "cosine" else self.weight
 
-    def forward(self, z: Tensor) -> QuantizerOutput:
-        flat, last_shape = flatten(z, self.dim, self.channel_dim)
-        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
-            return self.empty_output(flat, last_shape, ("codebook", "commitment"))
-        dtype = compute_dtype(z)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            x = flat.to(dtype)
-            if self.distance == "cosine":
-                x = F.normalize(x, dim=1)
-            if self.training and not bool(self.initialized):
-                kmeans_init_(self.weight.data, x)
-                self.initialized.fill_(True)
-            w = self.codebook.to(dtype)
-            with torch.no_grad():
-                indices = squared_distances(x, w).argmin(1)
-            hard = w[indices]
-            codebook_term = (x.detach() - hard).pow(2).sum(1).mean()
-            commitment = (x - hard.detach()).pow(2).sum(1).mean()
-            loss = (codebook_term + self.beta * commitment) / self.dim
-            out = hard.detach() + (x - x.detach())  # value exactly w_{k*}, gradient identity
-        return QuantizerOutput(
-            quantized=unflatten(out.to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"codebook": codebook_term.detach(), "commitment": commitment.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+    def quantize(self, x: Tensor) -> QuantizerOutput:
+        if self.distance == "cosine":
+            x = F.normalize(x, dim=1)
+        if self.training and not bool(self.initialized):
+            kmeans_init_(self.weight.data, x)
+            self.initialized.fill_(True)
+        w = self.codebook.to(x.dtype)
+        with torch.no_grad():
+            indices = squared_distances(x, w).argmin(1)
+        hard = w[indices]
+        codebook_term = (x.detach() - hard).pow(2).sum(1).mean()
+        commitment = (x - hard.detach()).pow(2).sum(1).mean()
+        out = hard.detach() + (x - x.detach())  # value exactly w_{k*}, gradient identity
+        return QuantizerOutput(out, indices, (codebook_term + self.beta * commitment) / self.dim,
+                               {"codebook": codebook_term.detach(), "commitment": commitment.detach()})
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", beta={self.beta:g}, distance={self.distance!r}"

@@ -1,8 +1,7 @@
 """IBQ, index backpropagation quantization (Shi et al. 2024, "Taming Scalable Visual Tokenizer for
 Autoregressive Image Generation", arXiv 2412.02692), behind ddcl_vq's interface.
 
-Written after the authors' code, TencentARC/SEED-Voken ``src/IBQ/modules/vqvae/quantize.py``
-(``IndexPropagationQuantize``) and its ImageNet configs (``configs/IBQ/gpu/imagenet_ibqgan_*.yaml``):
+Written after the authors' code (TencentARC/SEED-Voken, ``IndexPropagationQuantize``):
 
     logits_ik = z_i · w_k                    (the paper's inner product; ``logits="distance"``: −‖z_i − w_k‖²)
     p_i       = softmax_k(logits_i)
@@ -13,15 +12,9 @@ Written after the authors' code, TencentARC/SEED-Voken ``src/IBQ/modules/vqvae/q
     loss      = mean(z_q − z)² + mean(sg(w_{k*}) − z)² + β·mean(w_{k*} − sg(z))²
                 + entropy_weight·(mean_i H(p'_i) − H(mean_i p'_i)),  p' = softmax(logits / entropy_temperature)
 
-β sits on the codebook term, as in the authors' code (taming's ``legacy`` VectorQuantizer2 form): the
-encoder is pulled to its code with weight 1, the code to the encoder with β. The decoder sees z_q, so
-the encoder's only gradient from the task is through the softmax — there is no identity
-straight-through. The defaults are the published ones (β 0.25, entropy weight 0.05 at temperature
-0.01, inner-product logits, codebook initialised N(0, 1) as ``nn.Embedding``).
-
-Every N×K quantity (logits, p, p', their gradients) is computed in row blocks, forward and backward
-(recomputed from the saved log-sum-exp), so extra memory is O(rows·K) whatever N: at K = 262,144 the
-reference form would hold several N×K tensors (2 GiB each at N = 2,048).
+β sits on the codebook term, as in the authors' code; the encoder's only gradient from the task is
+through the softmax (no identity straight-through). The defaults are the published ones. Every N×K
+quantity is computed in row blocks, forward and backward (recomputed), so extra memory is O(rows·K).
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from .base import QuantizerOutput, Quantizer, batch_perplexity, compute_dtype, flatten, unflatten
+from .base import QuantizerOutput, Quantizer, check_finite
 
 #: IBQ's allowed logits
 IBQ_LOGITS = ("dot", "distance")
@@ -40,8 +33,7 @@ ENTROPY_EPS = 1e-5  # the authors' eps inside log(mean p)
 
 
 def _logits(x: Tensor, w: Tensor, w_sq: Optional[Tensor]) -> Tensor:
-    """(n, D), (K, D) -> (n, K): x·w (dot), or 2x·w − ‖w‖² (distance: −‖x − w‖² up to a per-row constant,
-    which no softmax sees)."""
+    """(n, D), (K, D) -> (n, K): x·w (dot), or 2x·w − ‖w‖² (distance: −‖x − w‖² up to a per-row constant)."""
     dots = x @ w.t()
     return dots if w_sq is None else 2.0 * dots - w_sq[None, :]
 
@@ -52,9 +44,7 @@ def _block_rows(num_codes: int, n: int) -> int:
 
 class _IBQFunction(torch.autograd.Function):
     """(x (N, D), w (K, D)) -> (z_q (N, D): the hard codes; entropy: a scalar, 0 without it; indices (N,)),
-    with IBQ's gradients: z_q's through the softmax into x and w plus its value's into the chosen codes,
-    the entropy term's through softmax(logits / T). Nothing N×K is kept between forward and backward:
-    each row block's logits are recomputed."""
+    with IBQ's gradients; each row block's logits are recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, distance: bool, entropy_temperature: float, with_entropy: bool):
@@ -126,40 +116,29 @@ class _IBQFunction(torch.autograd.Function):
 
 
 class IBQQuantizer(Quantizer):
-    """Index backpropagation quantization: the hard code forward, the softmax's gradient backward, so every
-    code is trained at every step (see the module docstring for the math and the source).
+    """Index backpropagation quantization: the hard code forward, the softmax's gradient backward (module docstring).
 
     Args:
-        num_codes: K.
-        dim: D.
-        beta: weight of the codebook term mean(w_{k*} − sg(z))² (the commitment term has weight 1; the
-            authors' placement).
-        logits: ``"dot"`` (default, the paper: z·w) or ``"distance"`` (−‖z − w‖²; the index is then the
-            nearest code).
+        beta: weight of the codebook term mean(w_{k*} − sg(z))² (the commitment term has weight 1).
+        logits: ``"dot"`` (default, the paper: z·w) or ``"distance"`` (−‖z − w‖²: the nearest code).
         entropy_weight: weight of the entropy term (mean per-vector entropy minus the batch's entropy of
-            softmax(logits / entropy_temperature)); 0.05 in every published config, 0 turns it off.
-        entropy_temperature: the entropy term's temperature (0.01 published).
+            softmax(logits / entropy_temperature)); 0 turns it off.
+        entropy_temperature: the entropy term's temperature.
 
-    The codebook is a parameter trained by the task's optimizer (the harness: the codebook group).
-    ``loss`` = (double-quantization + commitment + β·codebook terms, each a sum over D) / D +
-    entropy_weight·entropy; ``terms``: ``double``, ``commitment``, ``codebook`` (sums over D, means
-    over vectors) and ``entropy``. Quantizes in float32 (float64 stays float64), autocast off.
+    The codebook is a parameter trained by the task's optimizer. ``loss`` = (double + commitment +
+    β·codebook) / D + entropy_weight·entropy; ``terms``: those four (sums over D, means over vectors).
     """
+
+    term_names = ("double", "commitment", "codebook", "entropy")
 
     def __init__(self, num_codes: int, dim: int, *, beta: float = 0.25, logits: str = "dot",
                  entropy_weight: float = 0.05, entropy_temperature: float = 0.01, channel_dim: int = 1):
         super().__init__(num_codes, dim, channel_dim)
         if logits not in IBQ_LOGITS:
             raise ValueError(f"expected logits 'dot' or 'distance', got {logits!r}")
-        for name, value in (("beta", beta), ("entropy_weight", entropy_weight)):
-            if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):
-                raise ValueError(f"expected {name} >= 0 and finite, got {value!r}")
-        if not (isinstance(entropy_temperature, (int, float)) and 0 < entropy_temperature < float("inf")):
-            raise ValueError(f"expected entropy_temperature > 0 and finite, got {entropy_temperature!r}")
-        self.beta = float(beta)
+        self.beta, self.entropy_weight = check_finite("beta", beta), check_finite("entropy_weight", entropy_weight)
+        self.entropy_temperature = check_finite("entropy_temperature", entropy_temperature, positive=True)
         self.logits = logits
-        self.entropy_weight = float(entropy_weight)
-        self.entropy_temperature = float(entropy_temperature)
         self.weight = nn.Parameter(torch.randn(num_codes, dim))  # nn.Embedding's N(0, 1), as published
 
     @property
@@ -170,28 +149,18 @@ class IBQQuantizer(Quantizer):
     def codebook(self) -> Tensor:
         return self.weight
 
-    def forward(self, z: Tensor) -> QuantizerOutput:
-        flat, last_shape = flatten(z, self.dim, self.channel_dim)
-        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
-            return self.empty_output(flat, last_shape, ("double", "commitment", "codebook", "entropy"))
-        dtype = compute_dtype(z)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            x = flat.to(dtype)
-            w = self.weight.to(dtype)
-            with_entropy = self.training and self.entropy_weight > 0
-            z_q, entropy, indices = _IBQFunction.apply(x, w, self.logits == "distance", self.entropy_temperature,
-                                                       with_entropy)
-            hard = w[indices]
-            double = (z_q - x).pow(2).sum(1).mean()
-            commitment = (hard.detach() - x).pow(2).sum(1).mean()
-            codebook_term = (hard - x.detach()).pow(2).sum(1).mean()
-            loss = (double + commitment + self.beta * codebook_term) / self.dim + self.entropy_weight * entropy
-        return QuantizerOutput(
-            quantized=unflatten(z_q.to(z.dtype), last_shape, self.channel_dim),
-            indices=unflatten(indices, last_shape, self.channel_dim), loss=loss,
-            terms={"double": double.detach(), "commitment": commitment.detach(), "codebook": codebook_term.detach(),
-                   "entropy": entropy.detach()},
-            perplexity=batch_perplexity(indices, self.num_codes))
+    def quantize(self, x: Tensor) -> QuantizerOutput:
+        w = self.weight.to(x.dtype)
+        with_entropy = self.training and self.entropy_weight > 0
+        z_q, entropy, indices = _IBQFunction.apply(x, w, self.logits == "distance", self.entropy_temperature,
+                                                   with_entropy)
+        hard = w[indices]
+        double = (z_q - x).pow(2).sum(1).mean()
+        commitment = (hard.detach() - x).pow(2).sum(1).mean()
+        codebook_term = (hard - x.detach()).pow(2).sum(1).mean()
+        loss = (double + commitment + self.beta * codebook_term) / self.dim + self.entropy_weight * entropy
+        return QuantizerOutput(z_q, indices, loss, {"double": double.detach(), "commitment": commitment.detach(),
+                                                    "codebook": codebook_term.detach(), "entropy": entropy.detach()})
 
     def describe(self) -> Dict[str, Any]:
         return {"logits": self.logits, "entropy_weight": self.entropy_weight}

@@ -1,9 +1,7 @@
 """LFQ (Yu et al. 2023, "Language Model Beats Diffusion": lookup-free quantization) behind ddcl_vq's interface.
 
-The quantizer is vector-quantize-pytorch's ``LFQ`` (an optional dependency, imported only when
-this class is built): a linear map takes the D-dimensional feature to log2(K) numbers, each is
-replaced by its sign (±1), and a linear map takes the sign vector back to D; the codes are the K
-corners of the hypercube. An entropy loss (low per-vector entropy, high batch entropy) keeps them used.
+The quantizer is vector-quantize-pytorch's ``LFQ`` (imported when this class is built): the feature's log2(K) signs
+name one of the K corners of a hypercube; an entropy loss keeps them used.
 """
 from __future__ import annotations
 
@@ -12,22 +10,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import QuantizerOutput, Quantizer, flatten
+from .base import QuantizerOutput, Quantizer
 from .vqp import peer_class, peer_output
 
 
 class LFQQuantizer(Quantizer):
     """Wraps ``vector_quantize_pytorch.LFQ(dim=D, codebook_size=K, **lfq_kwargs)``; K must be a power of 2.
-
-    The peer runs unchanged (its defaults: entropy loss weight 0.1, no commitment loss); its
-    auxiliary loss is ``loss`` and ``terms["entropy_aux"]`` (0 in eval mode, as the peer returns
-    it). ``codebook`` is every corner projected back to D (LFQ's ``indices_to_codes``), so
-    ``lookup(indices)`` gives the codes the decoder sees. The peer averages its batch entropy over
-    processes under torch.distributed (its ``maybe_distributed_mean``); nothing else is shared but
-    gradients. Computes in float32 whatever the input's dtype (autocast off), returns the input's dtype.
-    """
+    The peer runs unchanged; its auxiliary loss (0 in eval mode) is ``loss`` and ``terms["entropy_aux"]``;
+    ``codebook`` is every corner projected back to D. Computes in float32."""
 
     assigns_nearest_code = False  # the index rounds a projection of the input
+    term_names = ("entropy_aux",)
+    keeps_float64 = False
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **lfq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
@@ -48,13 +42,9 @@ class LFQQuantizer(Quantizer):
         with torch.autocast(device_type=device.type, enabled=False):
             return self.lfq.indices_to_codes(torch.arange(self.num_codes, device=device))
 
-    def forward(self, z: Tensor) -> QuantizerOutput:
-        flat, last_shape = flatten(z, self.dim, self.channel_dim)
-        if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
-            return self.empty_output(flat, last_shape, ("entropy_aux",))
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            quantized, indices, loss = self.lfq(flat.float().unsqueeze(0))
-        return peer_output(self, z, last_shape, quantized, indices, loss.float(), "entropy_aux")
+    def quantize(self, x: Tensor) -> QuantizerOutput:
+        quantized, indices, loss = self.lfq(x.unsqueeze(0))
+        return peer_output(quantized, indices, loss.float(), "entropy_aux")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", lfq_kwargs={self.lfq_kwargs}" if self.lfq_kwargs else "")

@@ -1,43 +1,20 @@
 """DDCL readout layer for transformer encoders, and a hierarchical compressor built from it.
 
-DDCL-Attention (arXiv 2604.03850) uses the quantizer's soft prototype assignment in two
-more places, both implemented here on top of :func:`ddcl_vq.assignment.assign` (the
-same assignment and decomposition code as :class:`~ddcl_vq.DDCLQuantizer`, no second copy):
+DDCL-Attention (arXiv 2604.03850) uses the soft prototype assignment in two more places, built here
+on :func:`ddcl_vq.assignment.assign` (the quantizer's assignment and decomposition code):
 
-1. :class:`DDCLReadout` replaces mean pooling or a class token at the end of an encoder.
-   One global bank of K prototypes W ∈ R^{K×D}; every real token t of sequence b gets
+1. :class:`DDCLReadout` replaces mean pooling or a class token. With K global prototypes W, every
+   real token t of sequence b gets q_btk = softmax_k(−‖x_bt − w_k‖² / (τ·D)) and the soft summary
+   s_bt = Σ_k q_btk w_k; pooled_b = mean_{t real} s_bt = Σ_k h_bk w_k with h_b = mean_{t real} q_bt.
+   The loss is the DDCL distortion over the real tokens, L_q = L_OLS + V.
+2. :class:`HierarchicalCompressor` replaces consecutive windows of ``windows[s]`` tokens by their
+   readout, stage after stage, and reports each stage's compression ratio and reconstruction error.
 
-       q_btk = softmax_k(−‖x_bt − w_k‖² / (τ·D))          (τ relative to D, as in the quantizer)
-       s_bt  = Σ_k q_btk w_k                               (soft summary: a convex combination)
-       pooled_b = mean_{t real} s_bt = Σ_k h_bk w_k,  h_b = mean_{t real} q_bt
-
-   so the pooled vector is itself a convex combination of prototypes, weighted by the
-   sequence's prototype histogram h_b (a bag-of-prototypes readout). Cost is O(T·K·D) per
-   sequence — linear in T, no T×T term. The loss is the DDCL distortion over the batch's
-   real tokens, L_q = mean Σ_k q d = L_OLS + V (exact), reported with its two parts.
-   Defaults chosen by measurement (``ddcl-vq readout-study``; docs/readout.md, "Design decisions"
-   and "Results"): the distortion is computed on sg(tokens) (it trains the
-   prototypes; the encoder learns from the task), the outputs carry a straight-through token gradient (values stay the soft summaries),
-   prototypes start from k-means on the first batch, τ = 0.1, prototype lr ratio ρ = 10.
-
-2. :class:`HierarchicalCompressor` summarises a long sequence in stages: stage s cuts its
-   input (B, T_s, D) into consecutive windows of ``windows[s]`` tokens and replaces every
-   window by its DDCL readout (``pooled``) with the stage's own prototype bank, so
-   T_{s+1} = ceil(T_s / windows[s]) (tokens → sentences → paragraphs → document in the
-   paper's document-compression use). It reports the compression ratio and the
-   reconstruction error of every stage.
-
-Masking: ``mask`` is (B, T) bool, True for real tokens (the ``attention_mask`` convention of
-transformers libraries; PyTorch's ``key_padding_mask`` is the opposite, pass ``~kpm``).
-Masked tokens are removed *before* the assignment (the real tokens are gathered into one
-(N, D) matrix), so they take no part in assignments, losses, statistics or pooling, their
-values (even NaN) never matter, and no gradient reaches them.
-
-Pure torch; nothing from outside ``ddcl_vq``.
+Masking: ``mask`` (B, T) bool is True for real tokens (for a PyTorch ``key_padding_mask`` pass ``~kpm``); masked
+tokens take no part in assignments, losses, statistics or pooling.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Union
@@ -46,14 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from .assignment import assign
-from .base import batch_perplexity, compute_dtype
+from .base import batch_perplexity, check_finite, check_positive_int, compute_dtype
 from .kmeans import kmeans_init_
+from .temperature import check_temperature
 
 PROTOTYPE_INITS = ("normal", "kmeans")
 READOUT_MODES = ("soft", "straight_through")
 
-# Measured with `ddcl-vq readout-study` (docs/readout.md): the default
-# temperature and prototype learning-rate ratio of the readout.
+# the readout's defaults, measured with `ddcl-vq readout-study`
 DEFAULT_TEMPERATURE = 0.1
 DEFAULT_PROTOTYPE_LR_RATIO = 10.0
 
@@ -62,18 +39,12 @@ DEFAULT_PROTOTYPE_LR_RATIO = 10.0
 class ReadoutOutput:
     """What :meth:`DDCLReadout.forward` returns (B sequences of T tokens, K prototypes).
 
-    pooled:       (B, D) what a classification head consumes: the masked mean of the soft
-                  summaries, = histogram @ prototypes (a convex combination of prototypes).
-    soft:         (B, T, D) per-token soft summaries s_bt = Σ_k q_btk w_k; zeros at masked tokens.
-    assignments:  (B, T, K) q_btk; rows of real tokens sum to 1, rows of masked tokens are 0.
-    indices:      (B, T) long hard argmin prototype per token; −1 at masked tokens.
-    mask:         (B, T) bool, True for real tokens (all True when no mask was given).
-    histogram:    (B, K) per-sequence mean assignment h_b (the pooled vector's weights).
-    loss:         scalar to add to the task loss: ``loss_weight`` · distortion / D.
-    distortion, ols, variance: scalars over the batch's real tokens (sum over D, mean over
-                  tokens), distortion = ols + variance; they carry gradients (detach to log).
-    soft_counts:  (K,) Σ q over the batch's real tokens (for :class:`CodebookUsage`).
-    perplexity:   batch perplexity of the real tokens' hard indices.
+    pooled (B, D): the masked mean of the soft summaries = histogram @ prototypes; soft (B, T, D): the
+    soft summaries s_bt (zeros at masked tokens); assignments (B, T, K): q (rows of masked tokens 0);
+    indices (B, T): hard argmin (−1 at masked tokens); mask (B, T) bool, True for real tokens;
+    histogram (B, K): the mean assignment h_b; loss: ``loss_weight`` · distortion / D; distortion, ols,
+    variance: scalars over the real tokens (with gradients); soft_counts (K,): Σ q over the real
+    tokens; perplexity: of the real tokens' hard indices.
     """
 
     pooled: Tensor
@@ -95,25 +66,9 @@ class ReadoutOutput:
         return self.indices[self.mask]
 
 
-def _check_positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"expected {name} to be a positive int, got {value!r}")
-    return value
-
-
-def _check_temperature(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ValueError(f"expected a finite temperature > 0, got {value!r}")
-    return float(value)
-
-
 def validate_tokens(tokens: Tensor, mask: Optional[Tensor], dim: int) -> Tensor:
     """Check (B, T, D) ``tokens`` and an optional (B, T) bool ``mask``; return the mask (all True if None).
-
-    Raises ValueError saying what was expected and what came: not a float tensor, wrong rank,
-    wrong D, empty batch or sequence, mask of the wrong type/dtype/shape/device, a sequence whose
-    tokens are all masked, NaN/Inf in a real token.
-    """
+    ValueError saying what was expected and what came."""
     if not isinstance(tokens, Tensor):
         raise ValueError(f"expected tokens as a torch.Tensor (B, T, D), got {type(tokens).__name__}")
     if not tokens.is_floating_point():
@@ -161,33 +116,17 @@ class DDCLReadout(nn.Module):
         num_prototypes: K, the size of the global prototype bank.
         temperature: τ relative to D (softmax over −d/(τ·D)); settable between steps.
         loss_weight: λ in ``loss = λ · distortion / D`` (per-element scale, as the quantizers).
-        distortion_to_tokens: False (default): the distortion is computed on sg(tokens) (the
-            quantizer's ``straight_through`` codebook rule): it trains the prototypes, and the
-            encoder learns from the task loss alone (through q). True: the paper's joint form, the
-            distortion also pulls the encoder's tokens toward the prototypes. Measured on
-            Fashion-MNIST (docs/readout.md): the joint form trains the classifier slower
-            (its V term sharpens q, which cuts the task gradient through q) and at τ = 1 collapses
-            (every token on one prototype).
-        task_grad_to_prototypes: True (default): the task loss also moves the prototypes (through
-            ``pooled``/``soft``). False: the outputs use sg(prototypes), so the prototypes learn from
-            the DDCL distortion alone (competitive learning); measured worse.
-        mode: ``"straight_through"`` (default): ``soft``/``pooled`` have the values of the soft
-            summaries (convex combinations of prototypes) and carry the tokens' own gradient as well
-            as the gradient through q (s + x − sg(x)), as the quantizer's straight-through mode.
-            ``"soft"`` (the paper's readout): the task gradient reaches the tokens only through q,
-            whose sensitivity ∝ Cov_q(w)/(τ·D) fades as assignments sharpen. Measured: the
-            straight-through form classifies better (docs/readout.md).
-        Unless both flags are True, the loss terms come from a second
-        :func:`~ddcl_vq.assignment.assign` call with their own gradient paths (same values; the
-        readout's O(N·K·D) cost doubles, still small next to an encoder layer).
-        prototype_init: ``"kmeans"`` (default: k-means on the real tokens of the first forward in
-            training mode) or ``"normal"`` N(0, 1). Measured: with N(0, 1) prototypes the winner
-            of the first steps moves to the token cloud and takes every token (q_ik of the far
-            prototypes is exponentially small, so they get no gradient): 3% utilization.
+        distortion_to_tokens: False (default): the distortion is computed on sg(tokens) (it trains the
+            prototypes only); True: the paper's joint form.
+        task_grad_to_prototypes: True (default): the task loss also moves the prototypes; False: the
+            outputs use sg(prototypes).
+        mode: ``"straight_through"`` (default): ``soft``/``pooled`` have the soft summaries' values and
+            also carry the tokens' own gradient (s + x − sg(x)); ``"soft"`` (the paper's): the task
+            gradient reaches the tokens only through q.
+        prototype_init: ``"kmeans"`` (default: on the real tokens of the first training forward) or
+            ``"normal"`` N(0, 1).
 
-    Timescale: the paper's stability condition asks prototypes to move faster than the
-    encoder; build the optimizer with :func:`prototype_param_groups` (ratio ρ, default
-    ``DEFAULT_PROTOTYPE_LR_RATIO``; it warns when ρ ≤ 1).
+    Build the optimizer with :func:`prototype_param_groups` (prototypes at ρ × lr, ρ > 1).
 
     ``forward(tokens, mask=None)``: tokens (B, T, D) float, mask (B, T) bool, True = real token.
     Returns a :class:`ReadoutOutput`. float64 inputs compute in float64; everything else in
@@ -202,15 +141,12 @@ class DDCLReadout(nn.Module):
         if mode not in READOUT_MODES:
             raise ValueError(f"expected mode in {READOUT_MODES}, got {mode!r}")
         self.mode = mode
-        self.dim = _check_positive_int("dim", dim)
-        self.num_prototypes = _check_positive_int("num_prototypes", num_prototypes)
+        self.dim = check_positive_int("dim", dim)
+        self.num_prototypes = check_positive_int("num_prototypes", num_prototypes)
         if prototype_init not in PROTOTYPE_INITS:
             raise ValueError(f"expected prototype_init in {PROTOTYPE_INITS}, got {prototype_init!r}")
-        if isinstance(loss_weight, bool) or not isinstance(loss_weight, (int, float)) or not loss_weight >= 0 \
-                or math.isinf(loss_weight):
-            raise ValueError(f"expected a finite loss_weight >= 0, got {loss_weight!r}")
         self.temperature = temperature
-        self.loss_weight = float(loss_weight)
+        self.loss_weight = check_finite("loss_weight", loss_weight)
         self.distortion_to_tokens = bool(distortion_to_tokens)
         self.task_grad_to_prototypes = bool(task_grad_to_prototypes)
         self.prototype_init = prototype_init
@@ -223,7 +159,7 @@ class DDCLReadout(nn.Module):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self._temperature = _check_temperature(value)
+        self._temperature = check_temperature(value)
 
     def forward(self, tokens: Tensor, mask: Optional[Tensor] = None) -> ReadoutOutput:
         mask = validate_tokens(tokens, mask, self.dim)
@@ -278,12 +214,9 @@ class CompressorOutput:
                 holding at least one real token).
     ratios:     (S,) float64, real tokens into stage s / real summaries out of it.
     cumulative_ratios: (S,) real input tokens / real summaries after stage s.
-    errors:     (S,) relative reconstruction error of stage s: every real input token of the stage is
-                reconstructed by its window's summary; Σ‖x − x̂‖² / Σ‖x − μ‖² (μ = mean real token of
-                that stage's input), i.e. the fraction of variance the summaries lose (0 = perfect,
-                1 = no better than the mean token).
-    cumulative_errors: (S,) the same for the original input tokens, each reconstructed by its
-                ancestor summary after stage s.
+    errors:     (S,) Σ‖x − x̂‖² / Σ‖x − μ‖² of stage s, each real input token x reconstructed by its
+                window's summary (μ: the stage input's mean real token): the share of variance lost.
+    cumulative_errors: (S,) the same for the original tokens, each by its ancestor summary.
     loss:       Σ over stages of the stage readout's loss (weighted), to add to a task loss.
     """
 
@@ -308,11 +241,8 @@ def _relative_error(x: Tensor, recon: Tensor, mask: Tensor) -> Tensor:
 class HierarchicalCompressor(nn.Module):
     """Stages of DDCL readouts over windows (DDCL-Attention, use 3: hierarchical compression).
 
-    Stage s groups its input tokens into consecutive windows of ``windows[s]`` (the last window of
-    a row may be short; windows holding only masked tokens become masked summaries) and replaces
-    each window by the pooled DDCL readout of its real tokens, using the stage's own prototype bank
-    of ``num_prototypes[s]`` prototypes. T tokens become ceil(T / w_0) summaries, then
-    ceil(ceil(T / w_0) / w_1), ... — linear cost in T at every stage.
+    Stage s replaces each window of ``windows[s]`` consecutive tokens by the pooled readout of its real tokens,
+    with the stage's own ``num_prototypes[s]`` prototypes: T tokens become ceil(T / w_0) summaries, and so on.
 
     Args:
         dim: D.
@@ -321,9 +251,7 @@ class HierarchicalCompressor(nn.Module):
         temperature, loss_weight, distortion_to_tokens, task_grad_to_prototypes, prototype_init: as
             :class:`DDCLReadout`, for every stage.
 
-    Every summary is a convex combination of its stage's prototypes. The reconstruction errors
-    (see :class:`CompressorOutput`) are computed without gradient; train the compressor with
-    ``out.loss`` (the stages' DDCL distortions) alone or added to a task loss.
+    The reconstruction errors are computed without gradient; train with ``out.loss``.
     """
 
     def __init__(self, dim: int, windows: Sequence[int], num_prototypes: Union[int, Sequence[int]] = 64, *,
@@ -331,14 +259,14 @@ class HierarchicalCompressor(nn.Module):
                  distortion_to_tokens: bool = False, task_grad_to_prototypes: bool = True,
                  prototype_init: str = "kmeans"):
         super().__init__()
-        _check_positive_int("dim", dim)
+        check_positive_int("dim", dim)
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Iterable):
             raise ValueError(f"expected windows as a sequence of positive ints, got {windows!r}")
         windows = list(windows)
         if not windows:
             raise ValueError("expected at least one stage in windows, got an empty sequence")
         for w in windows:
-            _check_positive_int("every window size", w)
+            check_positive_int("every window size", w)
         if isinstance(num_prototypes, int) and not isinstance(num_prototypes, bool):
             ks = [num_prototypes] * len(windows)
         else:
@@ -396,14 +324,10 @@ def prototype_param_groups(model: nn.Module, lr: float, prototype_lr_ratio: floa
                            ) -> List[dict]:
     """Optimizer parameter groups with DDCL prototypes at ``prototype_lr_ratio`` × ``lr``.
 
-    Collects the ``prototypes`` of every :class:`DDCLReadout` inside ``model`` (also inside a
-    :class:`HierarchicalCompressor`); every other parameter gets ``lr``. Warns when the ratio is
-    ≤ 1: DDCL-Attention's stability argument (Tikhonov singular perturbation) needs the
-    prototypes to move faster than the encoder. Use: ``torch.optim.Adam(prototype_param_groups(m, 1e-3))``.
+    Collects the ``prototypes`` of every :class:`DDCLReadout` inside ``model``; every other parameter gets ``lr``.
+    Warns when the ratio is ≤ 1. Use: ``torch.optim.Adam(prototype_param_groups(m, 1e-3))``.
     """
-    if isinstance(prototype_lr_ratio, bool) or not isinstance(prototype_lr_ratio, (int, float)) \
-            or not prototype_lr_ratio > 0 or math.isinf(prototype_lr_ratio):
-        raise ValueError(f"expected a finite prototype_lr_ratio > 0, got {prototype_lr_ratio!r}")
+    check_finite("prototype_lr_ratio", prototype_lr_ratio, positive=True)
     if prototype_lr_ratio <= 1:
         warnings.warn(f"prototype_lr_ratio={prototype_lr_ratio:g} <= 1: DDCL-Attention's timescale condition "
                       "asks the prototypes to learn faster than the encoder (ratio > 1)", stacklevel=2)

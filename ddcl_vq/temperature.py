@@ -1,19 +1,15 @@
-"""The DDCL temperature τ and its schedule (constant, or annealed over training steps).
-
-:class:`TemperatureSchedule` is the part of :class:`~ddcl_vq.DDCLQuantizer` that owns τ: the
-schedule's settings, the ``schedule_step`` buffer that :meth:`~TemperatureSchedule.step`
-advances, and how both are saved in and restored from a ``state_dict``.
-"""
+"""The DDCL temperature τ and its schedule (constant, or annealed over training steps): :class:`TemperatureSchedule`,
+the part of :class:`~ddcl_vq.DDCLQuantizer` that owns τ, its ``schedule_step`` buffer and their state."""
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from .arguments import TEMPERATURE_SCHEDULES
+from .base import check_finite
 
 __all__ = ["TemperatureSchedule", "scheduled_temperature", "check_temperature"]
 
@@ -31,17 +27,14 @@ def scheduled_temperature(step: int, start: float, final: float, schedule: str, 
 
 def check_temperature(value: Any, name: str = "temperature") -> float:
     """``value`` as a float, or ValueError unless it is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ValueError(f"expected a finite {name} > 0, got {value!r}")
-    return float(value)
+    return check_finite(name, value, positive=True)
 
 
 class TemperatureSchedule:
     """Mixin for a module with a long ``schedule_step`` buffer: τ, its schedule and their state.
 
-    The schedule's settings are saved as ``schedule``, one float64 tensor [index in
-    ``TEMPERATURE_SCHEDULES``, start τ, final τ, steps] (not a buffer: module dtype casts leave it
-    exact), beside the ``schedule_step`` buffer."""
+    The settings are saved as ``schedule``, one float64 tensor [index in ``TEMPERATURE_SCHEDULES``, start τ,
+    final τ, steps] (not a buffer: dtype casts leave it exact)."""
 
     schedule_step: Tensor
 
@@ -97,15 +90,3 @@ class TemperatureSchedule:
             except (ValueError, IndexError, TypeError) as err:
                 error_msgs.append(f"{key}: expected [schedule index, start τ, final τ, steps], got "
                                   f"{state_dict[key]!r} ({err})")
-
-    def _load_without_schedule_step(self, prefix: str, missing_keys: List[str]) -> None:
-        """A state_dict from before the schedule was saved: keep the constructor's schedule, taken
-        as finished."""
-        step_key = prefix + "schedule_step"
-        if step_key in missing_keys:
-            missing_keys.remove(step_key)
-            if self.temperature_schedule != "constant":
-                self.schedule_step.fill_(self.schedule_steps)
-                warnings.warn(f"{prefix or type(self).__name__ + ' '}state_dict has no temperature-schedule step; "
-                              f"taking the {self.temperature_schedule} schedule as finished "
-                              f"(τ = {self.temperature_final:g})", stacklevel=4)

@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from .base import check_positive_int
 from .distributed import all_reduce_sum_, rank
 
 USAGE_DEFINITIONS = """\
@@ -59,21 +60,13 @@ class UsageStats:
 class CodebookUsage:
     """Accumulates hard-index counts (and DDCL assignment mass) over a pass.
 
-    ``update(indices, soft_counts=None)`` with any-shaped long ``indices`` and, for DDCL,
-    ``soft_counts`` (K,) = Σ_i q_i over the same vectors (``QuantizerOutput.soft_counts``).
-    ``compute()`` sums the accumulators over all processes when torch.distributed is
-    initialized (every process must call it), then applies the definitions in
-    ``USAGE_DEFINITIONS``. Accumulators stay local, so ``compute`` can be called repeatedly.
-
-    Indices out of range are a ValueError: from ``update`` for CPU tensors; for tensors on an
-    accelerator ``update`` counts them on the device instead (checking there would wait for the
-    device every batch) and ``compute`` raises.
+    ``update(indices, soft_counts=None)``: any-shaped long ``indices`` and, for DDCL, the (K,) soft counts of the
+    same vectors. ``compute()`` (every process calls it) sums over processes and applies ``USAGE_DEFINITIONS``.
+    Out-of-range indices are a ValueError (on an accelerator raised by ``compute``).
     """
 
     def __init__(self, num_codes: int, device: torch.device | str = "cpu"):
-        if not isinstance(num_codes, int) or num_codes <= 0:
-            raise ValueError(f"expected num_codes to be a positive int, got {num_codes!r}")
-        self.num_codes = num_codes
+        self.num_codes = check_positive_int("num_codes", num_codes)
         self.counts = torch.zeros(num_codes, dtype=torch.long, device=device)
         self.soft_mass = torch.zeros(num_codes, dtype=torch.float64, device=device)
         self.out_of_range = torch.zeros((), dtype=torch.long, device=device)  # deferred check, see above
@@ -102,8 +95,7 @@ class CodebookUsage:
             self.has_soft = True
 
     def _count_on_device(self, flat: Tensor) -> None:
-        """Count without a host sync (bincount's output size would need one): scatter-add of the
-        in-range indices, the others tallied in ``out_of_range`` for ``compute`` to refuse."""
+        """Count without a host sync; out-of-range indices are tallied for ``compute`` to refuse."""
         valid = (flat >= 0) & (flat < self.num_codes)
         self.out_of_range += flat.numel() - valid.sum()
         self.counts.index_add_(0, flat.clamp(0, self.num_codes - 1), valid.long())
@@ -129,25 +121,16 @@ QUEUE_LENGTH = 65536
 
 
 class RecentUsage:
-    """Codebook usage over recent training batches, the two ways the field reports it beside a whole
-    split (definitions: ``USAGE_DEFINITIONS``):
+    """Codebook usage over recent training batches (``USAGE_DEFINITIONS``): the queue figure (distinct codes among
+    the last ``queue_length`` hard indices / K) and the batch figure (mean distinct codes in a batch / K).
 
-    - queue: distinct codes among the last ``queue_length`` hard indices / K;
-    - batch: the mean over batches (since the last :meth:`compute`) of distinct codes in a batch / K.
-
-    ``update(indices)`` once per training batch (any shape, long; no host sync). ``compute()`` returns a
-    dict of both figures with their uniform ceilings; every process must call it under
-    torch.distributed: each process keeps the last ``queue_length // world`` indices of its own share
-    of the batches, the queue's codes are the union over processes, and the batch figure is the mean
-    of each process's batches. ``compute`` then starts a new batch average; the queue goes on.
-    ``state_dict``/``load_state_dict`` carry both across a resume (every process calls
-    ``state_dict``; the queue comes back gathered in rank order, and each process reloads its part).
+    ``update(indices)`` once per training batch (no host sync); ``compute()`` (every process calls it) returns both
+    with their uniform ceilings and starts a new batch average. Each process keeps ``queue_length // world`` indices.
     """
 
     def __init__(self, num_codes: int, queue_length: int = QUEUE_LENGTH, device: torch.device | str = "cpu",
                  world: int = 1):
-        if not isinstance(num_codes, int) or num_codes <= 0:
-            raise ValueError(f"expected num_codes to be a positive int, got {num_codes!r}")
+        check_positive_int("num_codes", num_codes)
         if not isinstance(queue_length, int) or queue_length < world:
             raise ValueError(f"expected queue_length to be an int >= the number of processes, got {queue_length!r}")
         self.num_codes, self.world = num_codes, world
@@ -202,8 +185,7 @@ class RecentUsage:
                 "batches": batches}
 
     def state_dict(self) -> dict:
-        """Every process calls this: the queues (in order, oldest first) gathered in rank order, the batch
-        average's sums over processes."""
+        """Every process calls this: the queues gathered in rank order, the batch average's sums."""
         length = self.queue.numel()
         ordered = torch.roll(self.queue, -self.position) if self.filled == length else self.queue.clone()
         gathered = torch.zeros(self.world * length, dtype=torch.long, device=self.queue.device)

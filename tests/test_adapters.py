@@ -29,11 +29,10 @@ VQ_MODEL_CONFIG = dict(
     lookup_from_codebook=True, sample_size=32)  # 32x32 images -> 8x8 latents, D = 8, K = 64
 STEPS, BATCH = 30, 32
 
-# The host's copied codebook kept as it is and trained by gradient: forward-equivalent to the host
-# (the default DDCL codebook starts with k-means on the first training batch and is updated by the
-# M-step inside training forwards, so its codes move as soon as it trains).
-SAME_AS_HOST = dict(codebook_init="uniform", codebook_update="gradient", temperature_reference="dim", temperature=0.01,
-                    warmup_steps=0)
+# The host's copied codebook kept as it is (the default DDCL codebook starts with k-means on the first
+# training batch): forward-equivalent to the host in eval mode (in training the M-step moves the codes
+# after each batch, which is decoded with the codes it was assigned to).
+SAME_AS_HOST = dict(codebook_init="uniform", warmup_steps=0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,13 +161,17 @@ def test_vqmodel_checkpoint_round_trip(trained_vqmodel, fashion, tmp_path):
     with torch.no_grad():
         assert torch.equal(resumed.eval()(x).sample, expected)
 
-    # a k-means swap does not re-initialise over a loaded codebook
+    # a k-means swap does not re-initialise over a loaded codebook: the next training batch is decoded
+    # with the loaded codes
     kmeans = VQModel(**VQ_MODEL_CONFIG)
-    swap_quantizer(kmeans, codebook_init="kmeans", codebook_update="gradient")
+    swap_quantizer(kmeans, codebook_init="kmeans")
     assert not bool(kmeans.quantize.ddcl.initialized)
     kmeans.load_state_dict(state)
+    assert bool(kmeans.quantize.ddcl.initialized)
     kmeans.train()(x)
-    assert torch.equal(kmeans.quantize.embedding.weight.detach(), state["quantize.embedding.weight"])
+    out = kmeans.quantize.last_output
+    loaded = state["quantize.embedding.weight"][out.indices].permute(0, 3, 1, 2)
+    assert torch.equal(out.quantized, loaded)
 
     # the plain host loads the checkpoint too, and decodes the same hard codes
     plain = VQModel(**VQ_MODEL_CONFIG)
@@ -191,7 +194,7 @@ def test_taming_adapter_speaks_the_diffusers_quantizer_convention(sane_index_sha
     if remap:
         np.save(tmp_path / "used.npy", np.arange(0, 64, 2))           # half the codes "used"
         kwargs.update(remap=str(tmp_path / "used.npy"), unknown_index="extra")
-    original = DiffusersVectorQuantizer(64, 8, beta=0.25, **kwargs)
+    original = DiffusersVectorQuantizer(64, 8, beta=0.25, **kwargs).eval()
     adapter = TamingQuantizerAdapter.from_quantizer(original, **SAME_AS_HOST)
     assert torch.equal(adapter.embedding.weight, original.embedding.weight)
     assert (adapter.re_embed, adapter.remap) == (original.re_embed, original.remap)
@@ -252,6 +255,7 @@ def test_taming_v1_convention_returns_perplexity_and_one_hot():
     torch.manual_seed(0)
     host = nn.Sequential()
     host.add_module("quantize", VectorQuantizer(32, 4, 0.25))
+    host.eval()
     original = host.quantize
     [(name, old, adapter)] = swap_quantizer(host, **SAME_AS_HOST)
     assert (name, old, host.quantize) == ("quantize", original, adapter) and adapter.taming_v1_outputs
@@ -414,7 +418,7 @@ class NotebookModel(nn.Module):
 
 def test_notebook_adapter_speaks_the_convention_and_trains(fashion):
     torch.manual_seed(0)
-    model = NotebookModel()
+    model = NotebookModel().eval()
     original = model._vq_vae
     [(name, _, adapter)] = swap_quantizer(model, **SAME_AS_HOST)
     assert name == "_vq_vae" and model._vq_vae is adapter and isinstance(adapter, NotebookQuantizerAdapter)
@@ -428,10 +432,9 @@ def test_notebook_adapter_speaks_the_convention_and_trains(fashion):
     assert torch.allclose(got[2], expected[2])
     assert list(model.state_dict()) == list(NotebookModel().state_dict())
 
-    # DDCL's timescale rule: the codebook learns faster than the encoder (rho = 10 here)
-    codebook = [adapter.ddcl.weight]
-    others = [p for p in model.parameters() if p is not adapter.ddcl.weight]
-    optimizer = torch.optim.Adam([{"params": others}, {"params": codebook, "lr": 2e-2}], lr=2e-3)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)   # the M-step codebook: requires_grad=False
+    codebook = adapter.ddcl.weight.detach().clone()
     recon_errors = []
     for x in batches(fashion, steps=20):
         vq_loss, recon, _ = model(x)                                   # the notebook's loop, unchanged
@@ -443,6 +446,7 @@ def test_notebook_adapter_speaks_the_convention_and_trains(fashion):
         recon_errors.append(recon_error.item())
         assert np.isfinite(loss.item())
     assert np.mean(recon_errors[-5:]) < 0.8 * np.mean(recon_errors[:5]), recon_errors
+    assert not torch.equal(adapter.ddcl.weight.detach(), codebook)     # the M-step moved the codes
 
 
 # ---------------------------------------------------------------- swap_quantizer edge cases
@@ -467,10 +471,28 @@ def test_swap_quantizer_rejects_bad_calls_and_shares_one_adapter_per_quantizer()
     with pytest.raises(ValueError, match="temperatur"):
         swap_quantizer(host, temperatur=0.1)
     assert host["a"] is shared                                         # nothing touched
-    with pytest.raises(ValueError, match="from_quantizer"):
-        swap_quantizer(shared)
     [(name, old, new)] = swap_quantizer(host)
     assert (name, old) == ("a", shared) and host["a"] is new and host["b"][0] is new
+
+
+def test_swap_quantizer_on_a_bare_quantizer_returns_its_adapter():
+    torch.manual_seed(0)
+    vq = VectorQuantize(dim=4, codebook_size=8).eval()
+    adapter = swap_quantizer(vq, temperature=0.05)
+    assert isinstance(adapter, VQPAdapter) and adapter.ddcl.temperature == 0.05 and not adapter.training
+    assert torch.equal(adapter.codebook.detach(), vq.codebook.detach())
+    x = torch.randn(2, 5, 4)
+    assert torch.equal(adapter(x)[1], vq(x)[1])                        # same codebook -> same indices
+
+
+def test_cosine_similarity_is_refused_not_dropped():
+    """DDCL has no cosine mode: a VectorQuantize(use_cosine_sim=True) is refused, never swapped silently."""
+    host = nn.Sequential(VectorQuantize(dim=4, codebook_size=8, use_cosine_sim=True))
+    for make in (lambda: swap_quantizer(host), lambda: VQPAdapter.from_quantizer(host[0]),
+                 lambda: VQPAdapter(4, 8, use_cosine_sim=True)):
+        with pytest.raises(ValueError, match="use_cosine_sim=True: DDCL has no cosine mode"):
+            make()
+    assert isinstance(host[0], VectorQuantize)                          # nothing touched
 
 
 def test_ddcl_vq_imports_no_host_library():

@@ -98,13 +98,13 @@ def _copies(module):
 
 @pytest.mark.parametrize("make", [
     lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4),
-    lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4, mode="soft", codebook_update="gradient"),
+    lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4, mode="soft", implementation="fused"),
     lambda: __import__("ddcl_vq").DDCLQuantizer(8, 4, mode="soft_straight_through", implementation="reference"),
     lambda: HardVQ(8, 4, kmeans_init=True),
     lambda: HardVQ(8, 4, distance="cosine"),
     lambda: EMAVQ(8, 4, dead_code_threshold=0.5),
     lambda: VQPQuantizer(8, 4),
-], ids=["ddcl", "ddcl-soft-gradient", "ddcl-sst-reference", "hard-kmeans", "hard-cosine", "ema", "vqp"])
+], ids=["ddcl", "ddcl-soft-fused", "ddcl-sst-reference", "hard-kmeans", "hard-cosine", "ema", "vqp"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("channel_dim", [1, -1])
 def test_empty_batch_one_rule_for_every_quantizer(make, training, channel_dim):
@@ -148,3 +148,19 @@ def test_hardvq_kmeans_on_an_empty_first_batch_stays_uninitialised():
     assert not bool(q.initialized)
     q(torch.randn(4, 4, 2, 2))
     assert bool(q.initialized)
+
+
+@pytest.mark.parametrize("name", ["DDCLQuantizer", "HardVQ", "EMAVQ", "IBQQuantizer", "FVQQuantizer", "VQPQuantizer",
+                                  "SimVQQuantizer", "LFQQuantizer", "FSQQuantizer"])
+def test_every_quantizer_takes_codebook_size_as_the_keyword_for_num_codes(name):
+    """vector-quantize-pytorch's keyword works for every quantizer; positional (num_codes, dim) too; both is
+    an error; the signature (what configs and adapters read) still names num_codes."""
+    import inspect
+
+    import ddcl_vq
+    cls = getattr(ddcl_vq, name)
+    assert cls(codebook_size=256, dim=8).num_codes == cls(256, 8).num_codes == cls(num_codes=256, dim=8).num_codes
+    assert list(inspect.signature(cls).parameters)[:2] == ["num_codes", "dim"]
+    for both in (lambda: cls(256, 8, codebook_size=256), lambda: cls(num_codes=256, dim=8, codebook_size=256)):
+        with pytest.raises(ValueError, match="codebook size once, as num_codes or codebook_size, got both"):
+            both()

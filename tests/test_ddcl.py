@@ -1,24 +1,22 @@
 """DDCLQuantizer: the exact decomposition, indices, outputs and gradients of every mode; its
-temperature schedule; the Quantizer interface's neutral defaults for the baselines."""
+temperature schedule; old state_dicts refused; the Quantizer interface's neutral defaults for the
+baselines; the public names."""
 import math
 import re
-import warnings
 
 import pytest
 import torch
 
-from ddcl_vq import EMAVQ, HardVQ, assign
+from ddcl_vq import EMAVQ, HardVQ
 from ddcl_vq import DDCLQuantizer as _DDCLQuantizer
+from ddcl_vq.assignment import assign
 
 
 def DDCLQuantizer(*args, **kw):
-    """The assignment math of these tests: codebook trained by gradient, τ relative to D (the
-    M-step codebook's own properties are tested in tests/test_mstep.py; the warm-up in
-    tests/test_warmup.py)."""
-    kw.setdefault("codebook_update", "gradient")
+    """The assignment math of these tests: no warm-up, no revival (the M-step codebook's own
+    properties are tested in tests/test_mstep.py; the warm-up in tests/test_warmup.py)."""
     kw.setdefault("warmup_steps", 0)
-    kw.setdefault("revive_threshold", 0.0)  # the statistics must not move the codes between evaluations
-    kw.setdefault("temperature_reference", "dim")
+    kw.setdefault("revive_threshold", 0.0)
     return _DDCLQuantizer(*args, **kw)
 
 
@@ -30,9 +28,9 @@ def reference(z_flat, w, tau):
 
 
 def make(num_codes=16, dim=8, dtype=torch.float64, seed=0, **kw):
+    """In eval mode: the codebook stays put and the softmax divisor is τ·D (no scale measured yet)."""
     torch.manual_seed(seed)
-    quant = DDCLQuantizer(num_codes, dim, codebook_init="normal", **kw).to(dtype)
-    return quant
+    return DDCLQuantizer(num_codes, dim, codebook_init="normal", **kw).to(dtype).eval()
 
 
 def check_identity(z, w, tau, rel):
@@ -115,11 +113,7 @@ def test_straight_through_forward_and_gradients():
     n = flat.shape[0]
     commit_grad = (beta * 2 * (flat - hard) / n / 8).reshape(2, 3, 3, 8).permute(0, 3, 1, 2)
     assert torch.allclose(z.grad, upstream + commit_grad, atol=1e-12)
-    # codebook: gradient of the DDCL distortion on sg(z), / D
-    w = quant.codebook.detach().clone().requires_grad_(True)
-    d, q = reference(flat, w, tau)
-    ((q * d).sum(1).mean() / 8).backward()
-    assert torch.allclose(quant.weight.grad, w.grad, atol=1e-12)
+    assert quant.weight.grad is None and not quant.weight.requires_grad   # the M-step trains the codebook
 
 
 def test_soft_straight_through_forward_hard_gradients_soft():
@@ -133,9 +127,8 @@ def test_soft_straight_through_forward_hard_gradients_soft():
         if mode == "soft_straight_through":
             assert torch.allclose(out.quantized, quant.lookup(out.indices), atol=1e-12)
         (out.quantized * upstream).sum().add(out.loss).backward()
-        grads[mode] = (zz.grad, quant.weight.grad)
-    assert torch.allclose(grads["soft"][0], grads["soft_straight_through"][0], atol=1e-12)
-    assert torch.allclose(grads["soft"][1], grads["soft_straight_through"][1], atol=1e-12)
+        grads[mode] = zz.grad
+    assert torch.allclose(grads["soft"], grads["soft_straight_through"], atol=1e-12)
 
 
 def test_gradcheck_reference_assignment_float64():
@@ -150,38 +143,31 @@ def test_gradcheck_reference_assignment_float64():
     assert torch.autograd.gradcheck(f, (z, w), eps=1e-6, atol=1e-7)
 
 
-def test_gradcheck_soft_mode_module_float64():
-    """The whole module in soft mode (straight-through modes use a surrogate gradient by design)."""
-    quant = make(num_codes=5, dim=3, mode="soft", temperature=0.5)
+@pytest.mark.parametrize("implementation", ["reference", "fused", "chunked"])
+def test_gradcheck_soft_mode_module_float64(implementation):
+    """The whole module in soft mode, on every assignment path (straight-through modes use a surrogate
+    gradient by design)."""
+    quant = make(num_codes=5, dim=3, mode="soft", temperature=0.5, implementation=implementation, chunk_size=3)
     z = torch.randn(2, 3, 2, 2, dtype=torch.float64, requires_grad=True)
-    w = quant.weight.detach().clone().requires_grad_(True)
     upstream = torch.randn(2, 3, 2, 2, dtype=torch.float64)
 
-    def g(z_, w_):
-        saved = quant.weight
-        del quant.weight
-        quant.weight = w_
-        try:
-            out = quant(z_)
-        finally:
-            del quant.weight
-            quant.weight = saved
+    def g(z_):
+        out = quant(z_)
         return (out.quantized * upstream).sum() + out.loss
 
-    assert torch.autograd.gradcheck(g, (z, w), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(g, (z,), eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("mode", ["soft", "straight_through"])
-def test_every_code_gets_gradient_but_hardvq_dead_codes_get_none(mode):
+def test_every_code_moves_to_the_data_but_hardvq_dead_codes_get_no_gradient():
     torch.manual_seed(0)
-    ddcl = DDCLQuantizer(32, 8, mode=mode, temperature=0.5, codebook_init="normal").double()
+    ddcl = DDCLQuantizer(32, 8, temperature=0.5, codebook_init="normal", decay=0.0).double()
     z = torch.randn(4, 8, 2, 2, dtype=torch.float64, requires_grad=True)  # 16 vectors < 32 codes
-    out = ddcl(z)
-    (out.quantized.pow(2).sum() + out.loss).backward()
-    assert (ddcl.weight.grad.abs().sum(1) > 0).all()
+    w0 = ddcl.weight.detach().clone()
+    ddcl(z)
+    assert ((ddcl.weight - w0).abs().sum(1) > 0).all()                   # the M-step moved every code
 
     hard = HardVQ(32, 8).double()
-    hard.weight.data = ddcl.weight.detach().clone()
+    hard.weight.data = w0.clone()
     out = hard(z)
     (out.quantized.pow(2).sum() + out.loss).backward()
     used = torch.zeros(32, dtype=torch.bool)
@@ -210,13 +196,13 @@ def test_no_nan_at_tiny_tau_and_huge_distances(mode):
     out = quant(z)
     assert out.terms["distortion"] > 1e5
     (out.quantized.sum() + out.loss).backward()
-    for t in [out.quantized, out.loss, z.grad, quant.weight.grad, *out.terms.values()]:
+    for t in [out.quantized, out.loss, z.grad, quant.weight, *out.terms.values()]:
         assert torch.isfinite(t).all()
 
 
 def test_bf16_autocast_same_indices_and_float32_math():
     torch.manual_seed(0)
-    quant = DDCLQuantizer(64, 16, temperature=0.05, codebook_init="normal")
+    quant = DDCLQuantizer(64, 16, temperature=0.05, codebook_init="normal").eval()
     conv = torch.nn.Conv2d(3, 16, 1)
     x = torch.randn(4, 3, 6, 6)
     ref = quant(conv(x).float())
@@ -256,8 +242,7 @@ def test_temperature_schedule_is_saved_and_loaded(tmp_path):
     assert (fresh.temperature_start, fresh.temperature_final, fresh.temperature_schedule, fresh.schedule_steps) \
         == (0.2, 0.01, "cosine", 10)
     assert int(fresh.schedule_step) == 4 and fresh.temperature == q.temperature
-    assert fresh.describe() == {"mode": "straight_through", "temperature": q.temperature,
-                                "temperature_reference": "dim", "codebook_update": "gradient"}
+    assert fresh.describe() == {"mode": "straight_through", "temperature": q.temperature}
     # tensors only (safetensors, state-dict tooling), and exact whatever the module's dtype
     assert all(isinstance(v, torch.Tensor) for v in q.state_dict().values())
     halved = DDCLQuantizer(8, 4)
@@ -282,19 +267,24 @@ def test_assigning_temperature_fixes_it():
     assert q.temperature == 0.3 and q.temperature_schedule == "constant"
 
 
-def test_state_dict_without_schedule_loads():
-    """Checkpoints written before the schedule was saved: constant loads silently, an anneal is
-    taken as finished, with a warning."""
-    src = DDCLQuantizer(8, 4)
-    old = {k: v for k, v in src.state_dict().items() if k in ("weight", "initialized")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        DDCLQuantizer(8, 4).load_state_dict(old)                # strict, and no warning
+@pytest.mark.parametrize("dropped, before", [
+    (("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "revived"), "the M-step codebook"),
+    (("schedule_step",), "the temperature schedule was saved"), (("warmup_batches",), "the quantization warm-up"),
+    (("twin_position",), "with revive_twins=True")])
+def test_state_dicts_of_0_1_0_are_refused_naming_the_version(dropped, before):
+    state = DDCLQuantizer(8, 4).state_dict()
+    old = {k: v for k, v in state.items() if k not in dropped}
+    if dropped == ("twin_position",):
+        old["twin_position"] = torch.zeros((), dtype=torch.long)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=rf"saved by ddcl-vq 0\.1\.0 .*{before}.*; load it with ddcl-vq "
+                                               r"0\.1\.x or retrain"):
+            DDCLQuantizer(8, 4).load_state_dict(old, strict=strict)
+    without_schedule = {k: v for k, v in state.items() if k != "schedule"}   # what the adapters save
     annealed = DDCLQuantizer(8, 4, temperature=1.0, temperature_final=0.1, temperature_schedule="cosine",
                              schedule_steps=10)
-    with pytest.warns(UserWarning, match="finished"):
-        annealed.load_state_dict(old)
-    assert annealed.temperature == pytest.approx(0.1)
+    annealed.load_state_dict(without_schedule)                                 # keeps its own schedule
+    assert annealed.temperature_schedule == "cosine"
 
 
 def test_bad_schedules_are_refused():
@@ -318,23 +308,43 @@ def test_baselines_have_neutral_interface_defaults(cls):
     assert DDCLQuantizer(8, 4).has_soft_codes
 
 
-def test_allowed_values_are_public_and_hold_the_signature_defaults():
-    """The allowed values live in ddcl_vq (DDCL_CHOICES, one tuple per choice argument); the defaults
-    only in DDCLQuantizer's signature, and each default is one of its allowed values."""
+def test_allowed_values_live_in_their_modules_and_hold_the_signature_defaults():
+    """The allowed values are tuples in their modules (DDCL_CHOICES in ddcl_vq.arguments, one per choice
+    argument), not at the top level; the defaults only in the signatures, each one of its allowed values."""
     import inspect
 
     import ddcl_vq
+    from ddcl_vq import arguments, hard, ibq
     params = inspect.signature(_DDCLQuantizer).parameters
-    for name, allowed in ddcl_vq.DDCL_CHOICES.items():
+    for name, allowed in arguments.DDCL_CHOICES.items():
         assert params[name].default in allowed, name
-    assert ddcl_vq.DDCL_CHOICES["mode"] is ddcl_vq.MODES and "auto" in ddcl_vq.IMPLEMENTATIONS
-    assert inspect.signature(ddcl_vq.HardVQ).parameters["distance"].default in ddcl_vq.HARDVQ_CHOICES["distance"]
+    assert arguments.DDCL_CHOICES["mode"] is arguments.MODES and "auto" in arguments.IMPLEMENTATIONS
+    assert inspect.signature(HardVQ).parameters["distance"].default in hard.HARDVQ_CHOICES["distance"]
+    assert inspect.signature(ddcl_vq.IBQQuantizer).parameters["logits"].default in ibq.IBQ_LOGITS
+    assert not {"MODES", "DDCL_CHOICES", "DISTANCES", "CODEBOOK_INITS"} & (set(dir(ddcl_vq)) | set(ddcl_vq.__all__))
 
 
-@pytest.mark.parametrize("name", list(__import__("ddcl_vq").DDCL_CHOICES))
+def test_the_top_level_names_the_public_api():
+    import ddcl_vq
+    assert set(ddcl_vq.__all__) == {
+        "Quantizer", "QuantizerOutput", "DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer",
+        "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "FVQQuantizer", "CodebookUsage", "UsageStats",
+        "USAGE_DEFINITIONS", "swap_quantizer", "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter",
+        "DDCLReadout", "HierarchicalCompressor", "prototype_param_groups"}
+    assert all(hasattr(ddcl_vq, name) for name in ddcl_vq.__all__) and ddcl_vq.__version__ == "0.2.0"
+
+
+@pytest.mark.parametrize("name", list(__import__("ddcl_vq.arguments").arguments.DDCL_CHOICES))
 def test_every_choice_argument_refuses_an_unknown_value(name):
     with pytest.raises(ValueError, match=rf"expected {name} in \(.*\), got 'nope'"):
         DDCLQuantizer(8, 4, **{name: "nope"})
+
+
+@pytest.mark.parametrize("name", ["temperature_reference", "codebook_update", "revive_criterion", "revive_twins",
+                                  "restart_step", "encoder_gradient"])
+def test_retired_options_are_unknown_arguments(name):
+    with pytest.raises(TypeError, match=name):
+        DDCLQuantizer(8, 4, **{name: None})
 
 
 @pytest.mark.parametrize("name, value, expected", [
@@ -343,9 +353,21 @@ def test_every_choice_argument_refuses_an_unknown_value(name):
     ("revive_threshold", -0.1, "0 <= revive_threshold < 1"),
     ("chunk_size", 0, "chunk_size to be a positive int or None"), ("chunk_size", 2.0, "chunk_size"),
     ("chunk_threshold_bytes", -1, "chunk_threshold_bytes >= 0"),
-    ("restart_step", -1, r"restart_step, an int >= 0 \(0 = never\)"), ("restart_step", True, "restart_step"),
     ("warmup_steps", 1.5, r"warmup_steps, an int >= 0 \(0 = none\)"),
 ])
 def test_numeric_arguments_are_checked_by_the_table(name, value, expected):
     with pytest.raises(ValueError, match=rf"expected {expected}.*, got {re.escape(repr(value))}"):
         DDCLQuantizer(8, 4, **{name: value})
+
+
+@pytest.mark.parametrize("num_codes", [64, 8192])  # the dense path and the truncated one (K > TRUNCATE_ABOVE)
+def test_eval_forward_returns_the_soft_codes_of_the_same_pass(num_codes):
+    torch.manual_seed(0)
+    q = DDCLQuantizer(num_codes, 16)
+    q(torch.randn(4, 16, 8, 8))
+    assert q.train()(torch.randn(2, 16, 4, 4)).soft_codes is None  # training: not kept
+    z = torch.randn(2, 16, 8, 8)
+    out = q.eval()(z)
+    assert out.soft_codes.shape == z.shape
+    torch.testing.assert_close(out.soft_codes, q.soft_codes(z), atol=1e-4, rtol=1e-4)
+    assert HardVQ(num_codes, 16).eval()(z).soft_codes is None

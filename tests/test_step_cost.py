@@ -12,10 +12,11 @@ from ddcl_vq.base import squared_distances
 
 
 @torch.no_grad()
-def dense_statistics(z, codebook, scale, rows=None, support=None, split=True):
+def dense_statistics(z, codebook, scale, rows=None, support=None, split=True, keep_soft=False):
     """The M-step statistics as first written (blocks of ≈ 2**22 elements up to 4096 rows,
     out-of-place passes; ``support``: the truncated path; ``split`` is ignored: every term is computed): the
-    reference the faster code must equal."""
+    reference the faster code must equal (training only: no ``keep_soft``)."""
+    assert not keep_soft
     n, k = z.shape[0], codebook.shape[0]
     truncated = support is not None and support < k
     rows = rows or max(64, min(4096, (1 << 22) // max(k, 1)))

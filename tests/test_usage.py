@@ -69,7 +69,7 @@ def test_counting_without_a_host_sync_equals_bincount_and_defers_the_range_check
 
 
 def test_recent_usage_queue_and_batches_by_hand():
-    from ddcl_vq import RecentUsage
+    from ddcl_vq.usage import RecentUsage
     recent = RecentUsage(10, queue_length=8)
     recent.update(torch.tensor([1, 2, 3]))
     first = recent.compute()
@@ -85,7 +85,7 @@ def test_recent_usage_queue_and_batches_by_hand():
 
 
 def test_recent_usage_resumes_exactly():
-    from ddcl_vq import RecentUsage
+    from ddcl_vq.usage import RecentUsage
     torch.manual_seed(0)
     straight, first = RecentUsage(50, queue_length=64), RecentUsage(50, queue_length=64)
     batches = [torch.randint(0, 50, (int(n),)) for n in torch.randint(1, 40, (9,))]
@@ -101,7 +101,7 @@ def test_recent_usage_resumes_exactly():
 
 
 def test_uniform_ceiling():
-    from ddcl_vq import uniform_ceiling
+    from ddcl_vq.usage import uniform_ceiling
     assert uniform_ceiling(65536, 65536) == pytest.approx(1 - math.exp(-1), rel=1e-4)
     assert uniform_ceiling(262144, 640000) == pytest.approx(0.913, abs=1e-3)
     assert uniform_ceiling(1, 5) == 1.0 and uniform_ceiling(10, 0) == 0.0

@@ -1,5 +1,4 @@
-"""What every adapter shares: the DDCL quantizer registered after the host-named modules, its
-codebook saved under the host's key, and ``last_output`` (detached) for logging."""
+"""What every adapter shares: the DDCL quantizer, its codebook saved under the host's key, ``last_output``."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -8,22 +7,20 @@ import torch
 from torch import Tensor, nn
 
 from ..base import QuantizerOutput
-from ..ddcl import DDCLQuantizer
+from ..ddcl import STATE_BUFFERS, DDCLQuantizer
 
 
 def _detached(out: QuantizerOutput) -> QuantizerOutput:
     """A copy of ``out`` that holds no autograd graph (for ``last_output``)."""
-    return QuantizerOutput(
-        quantized=out.quantized.detach(), indices=out.indices, loss=out.loss.detach(),
-        terms={k: v.detach() for k, v in out.terms.items()},
-        perplexity=None if out.perplexity is None else out.perplexity.detach(),
-        soft_counts=None if out.soft_counts is None else out.soft_counts.detach())
+    def d(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t.detach()
+    return QuantizerOutput(d(out.quantized), out.indices, d(out.loss), {k: d(v) for k, v in out.terms.items()},
+                           d(out.perplexity), d(out.soft_counts))
 
 
 def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,
                           local_metadata: Dict[str, Any]) -> None:
-    # The codebook Parameter is registered twice (host name and ddcl.weight); save it once,
-    # under the host's name, so checkpoints keep the host's keys (and safetensors accepts them).
+    # the codebook Parameter is registered twice (host name and ddcl.weight): save it once, under the host's name
     if module._host_codebook_key != "ddcl.weight":
         state_dict.pop(prefix + "ddcl.weight", None)
     state_dict.pop(prefix + "ddcl.schedule", None)  # the temperature schedule: the host has none
@@ -47,10 +44,7 @@ class _DDCLAdapter(nn.Module):
     def _attach(self, ddcl: DDCLQuantizer) -> None:
         self.ddcl = ddcl
         # Not saved: state_dicts keep the host's keys; loading a codebook marks it initialised.
-        ddcl.register_buffer("initialized", ddcl.initialized, persistent=False)
-        ddcl.register_buffer("schedule_step", ddcl.schedule_step, persistent=False)
-        for name in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale",
-                     "revived", "warmup_batches"):  # M-step and warm-up state
+        for name in ("initialized",) + tuple(STATE_BUFFERS):  # schedule, M-step and warm-up state
             ddcl.register_buffer(name, getattr(ddcl, name), persistent=False)
         self.last_output: Optional[QuantizerOutput] = None
         self.register_state_dict_post_hook(_drop_ddcl_weight_key)

@@ -47,11 +47,8 @@ class NotebookQuantizerAdapter(_DDCLAdapter):
 
     @classmethod
     def from_quantizer(cls, old: nn.Module, **ddcl_options: Any) -> "NotebookQuantizerAdapter":
-        """An adapter with ``old``'s K, D, device, dtype, training flag and codebook values.
-
-        ``old`` is the notebook's ``VectorQuantizer`` or ``VectorQuantizerEMA``; ``beta``
-        defaults to its ``_commitment_cost``.
-        """
+        """An adapter with the notebook ``VectorQuantizer(EMA)`` ``old``'s sizes, codebook and flags (``beta``
+        defaults to its ``_commitment_cost``)."""
         weight = old._embedding.weight
         kwargs = dict(ddcl_options)
         beta = kwargs.pop("beta", old._commitment_cost)

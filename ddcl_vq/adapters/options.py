@@ -1,10 +1,5 @@
-"""The DDCL options every adapter accepts, declared once: :class:`DDCLOptions`.
-
-Its fields are :class:`~ddcl_vq.DDCLQuantizer`'s keyword arguments (name and default), read
-from the constructor's signature, except what the adapter sets from the host (``num_codes``,
-``dim``, ``channel_dim``). An option added to ``DDCLQuantizer`` is therefore an adapter option
-too, with the same default. ``beta`` (the commitment weight) defaults to the host's own weight.
-"""
+"""The DDCL options every adapter accepts: :class:`DDCLOptions`, :class:`~ddcl_vq.DDCLQuantizer`'s keyword arguments
+and defaults (read from its signature) but for what the host sets."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +21,8 @@ def _option_fields():
 
 def _from_kwargs(cls, options: Mapping[str, Any], *, beta: Optional[float] = None,
                  beta_name: str = "beta") -> "DDCLOptions":
-    """Validated options from keyword arguments. Unknown names are a ValueError that lists the
-    valid ones. ``beta``: the commitment weight from the host's own argument ``beta_name``; it may
-    not be given a second time as ``beta`` in ``options``."""
+    """Validated options from keyword arguments (unknown names: ValueError). ``beta``: the commitment weight from the
+    host's own argument ``beta_name`` (not also in ``options``)."""
     unknown = sorted(set(options) - set(DDCL_OPTIONS))
     if unknown:
         raise ValueError(f"expected DDCL options among {DDCL_OPTIONS}, got unknown {unknown}")

@@ -1,7 +1,7 @@
 """``swap_quantizer``: find the hosts' quantizers in a model and put the matching adapter in place."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from torch import nn
 
@@ -62,32 +62,23 @@ def adapter_for(module: nn.Module) -> Optional[type]:
     return None
 
 
-def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> List[SwappedQuantizer]:
-    """Replace every recognised quantizer in ``model`` by the matching DDCL adapter, in place.
+def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQuantizer], nn.Module]:
+    """Replace every recognised quantizer in ``model`` by the matching DDCL adapter, in place; or, when
+    ``model`` is itself a recognised quantizer (e.g. a bare ``VectorQuantize``), return its adapter
+    (``vq = swap_quantizer(vq)``, the same as ``VQPAdapter.from_quantizer(vq)``).
 
-    Recognised (by class name and public attributes; nothing is imported): diffusers'
-    ``VectorQuantizer`` (``VQModel.quantize``), taming's ``VectorQuantizer`` and
-    ``VectorQuantizer2``, vector-quantize-pytorch's single-head ``VectorQuantize`` (not the ones
-    inside its own composites such as ``ResidualVQ``), the VQ-VAE notebook's
-    ``VectorQuantizer`` / ``VectorQuantizerEMA``. Each adapter copies the old codebook (same
-    K, D, device, dtype and values), the host's options and its train/eval flag.
+    Recognised by class name and public attributes (:data:`LOOKED_FOR`), not inside vector-quantize-pytorch's
+    composites. Each adapter copies the old codebook, the host's options and its train/eval flag.
+    ``ddcl_options``: :class:`~ddcl_vq.adapters.DDCLOptions` (``beta`` defaults to the host's commitment weight).
+    Call it before building the optimizer.
 
-    ``ddcl_options``: any :class:`~ddcl_vq.adapters.DDCLOptions`, i.e. a
-    :class:`~ddcl_vq.DDCLQuantizer` keyword argument: ``temperature``, ``mode``, ``beta``
-    (default: the host's commitment weight), ``codebook_init`` (``"kmeans"`` re-initialises from
-    the first training batch), ``implementation``, ``chunk_size``, ...
-    Call it before building the optimizer; to resume a checkpoint trained with the swap, build
-    the host model, call ``swap_quantizer`` with the same options, then ``load_state_dict``.
-
-    Returns a list of ``SwappedQuantizer(name, old, new)``. Raises ValueError when the model
-    holds no recognised quantizer (naming what it looked for and any unsupported
-    quantizer-like modules it saw) or when ``model`` itself is the quantizer.
+    Returns a list of ``SwappedQuantizer(name, old, new)`` (for a bare quantizer: the adapter); ValueError when
+    the model holds no recognised quantizer.
     """
     DDCLOptions.from_kwargs(ddcl_options)  # reject unknown options before touching the model
     root_adapter = adapter_for(model)
     if root_adapter is not None:
-        raise ValueError(f"expected a model that contains a quantizer, got the quantizer itself "
-                         f"({type(model).__name__}); use {root_adapter.__name__}.from_quantizer(quantizer)")
+        return root_adapter.from_quantizer(model, **ddcl_options)
     found: Dict[int, Tuple[str, nn.Module, type]] = {}
     unsupported: List[str] = []
     already: List[str] = []
@@ -101,8 +92,7 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> List[SwappedQuantiz
             elif isinstance(child, _ADAPTERS):
                 already.append(name)
             elif "quantiz" in type(child).__name__.lower() or _from_peer_library(child):
-                # e.g. GumbelQuantize, or a vector-quantize-pytorch composite (ResidualVQ, ...) that
-                # calls its VectorQuantize layers with options the adapter does not speak.
+                # e.g. GumbelQuantize, or a vector-quantize-pytorch composite (ResidualVQ, ...)
                 unsupported.append(f"{name} ({type(child).__name__})")
             else:
                 visit(child, name)

@@ -16,33 +16,23 @@ class TamingQuantizerAdapter(_DDCLAdapter):
     ``forward(z)`` with z (B, C, H, W), C = ``e_dim``, returns
     ``(z_q, loss, (perplexity, min_encodings, indices))``:
 
-    - z_q: (B, C, H, W), the hard codes (straight-through gradient in the default mode);
-    - loss: scalar, the DDCL quantizer's (already weighted) loss;
-    - perplexity, min_encodings: ``None`` as in ``VectorQuantizer2`` / diffusers; with
-      ``taming_v1_outputs=True`` the batch perplexity (scalar) and the (B·H·W, n_e) one-hot
-      matrix, as taming's original ``VectorQuantizer`` returns them;
-    - indices: (B·H·W,) long in b-h-w order; (B·H·W, 1) with ``remap`` or
-      ``taming_v1_outputs``; (B, H, W) with ``sane_index_shape``.
-
-    ``embedding`` is an ``nn.Embedding`` whose ``weight`` IS the DDCL codebook Parameter
-    (``embedding.weight is ddcl.weight``), so optimizers and checkpoints see one tensor.
+    z_q (B, C, H, W), the hard codes; loss, the DDCL loss; perplexity and min_encodings ``None`` as in
+    ``VectorQuantizer2`` / diffusers (with ``taming_v1_outputs=True`` the batch perplexity and the
+    (B·H·W, n_e) one-hot matrix of taming's original ``VectorQuantizer``); indices (B·H·W,) long in
+    b-h-w order, (B·H·W, 1) with ``remap`` or ``taming_v1_outputs``, (B, H, W) with ``sane_index_shape``.
+    ``embedding.weight`` IS the DDCL codebook Parameter (one tensor for optimizers and checkpoints).
 
     Args:
         n_e: number of codes K.
         e_dim: code width D (diffusers calls it ``vq_embed_dim``; both attributes exist).
         beta: commitment weight, passed to the DDCL quantizer.
-        remap: as the host's ``remap``: not None turns index remapping on. The host loads the
-            used-code table from this path with numpy; ddcl_vq reads no files, so pass the table
-            as ``used`` (or pass the table itself as ``remap``).
-        used: (n_used,) integer tensor of the codes the remapped indices refer to.
+        remap: not None turns index remapping on, as in the host; ddcl_vq reads no files, so pass the
+            used-code table as ``used``, an (n_used,) integer tensor (or as ``remap`` itself).
         unknown_index: ``"random"``, ``"extra"`` or an int, as in the host.
         sane_index_shape: return indices as (B, H, W) instead of flat.
         legacy: kept for the host to read; it has no effect on the DDCL loss.
-        taming_v1_outputs: return perplexity, one-hot encodings and (N, 1) indices like
-            taming's original ``VectorQuantizer``.
-        **ddcl_options: any other :class:`~ddcl_vq.DDCLQuantizer` keyword argument
-            (:class:`~ddcl_vq.adapters.DDCLOptions`: temperature, mode, codebook_init, implementation,
-            chunk_size, ...).
+        taming_v1_outputs: the outputs of taming's original ``VectorQuantizer`` (see above).
+        **ddcl_options: any other :class:`~ddcl_vq.DDCLQuantizer` keyword argument (:class:`DDCLOptions`).
     """
 
     _host_codebook_key = "embedding.weight"
@@ -92,11 +82,8 @@ class TamingQuantizerAdapter(_DDCLAdapter):
 
     @classmethod
     def from_quantizer(cls, old: nn.Module, **ddcl_options: Any) -> "TamingQuantizerAdapter":
-        """An adapter with ``old``'s K, D, options, device, dtype, training flag and codebook values.
-
-        ``old`` is a diffusers ``VectorQuantizer`` or a taming ``VectorQuantizer``/``VectorQuantizer2``.
-        ``ddcl_options``: any :class:`~ddcl_vq.adapters.DDCLOptions`; ``beta`` defaults to ``old.beta``.
-        """
+        """An adapter with a diffusers or taming ``VectorQuantizer(2)`` ``old``'s sizes, options, codebook and flags
+        (``beta`` defaults to ``old.beta``)."""
         weight = old.embedding.weight
         e_dim = int(getattr(old, "e_dim", getattr(old, "vq_embed_dim", weight.shape[1])))
         remap = getattr(old, "remap", None)
@@ -136,8 +123,8 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         back = torch.gather(used[None, :].expand(inds.shape[0], -1), 1, inds)
         return back.reshape(ishape)
 
-    def forward(self, z: Tensor, temp: Optional[float] = None, rescale_logits: bool = False,
-                return_logits: bool = False) -> Tuple[Tensor, Tensor, Tuple[Optional[Tensor], Optional[Tensor], Tensor]]:
+    def forward(self, z: Tensor, temp: Optional[float] = None, rescale_logits: bool = False, return_logits: bool = False
+                ) -> Tuple[Tensor, Tensor, Tuple[Optional[Tensor], Optional[Tensor], Tensor]]:
         if not (temp is None or temp == 1.0) or rescale_logits or return_logits:
             raise ValueError("expected temp=None, rescale_logits=False, return_logits=False (Gumbel-only "
                              f"options), got temp={temp!r}, rescale_logits={rescale_logits!r}, "
@@ -163,10 +150,7 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         return out.quantized, out.loss, (perplexity, min_encodings, indices)
 
     def get_codebook_entry(self, indices: Tensor, shape: Optional[Tuple[int, ...]]) -> Tensor:
-        """Indices (flat or (B, H, W)) -> codes; with ``shape`` = (B, H, W, C) they come as (B, C, H, W).
-
-        With ``shape=None`` the codes come as ``indices.shape + (C,)``.
-        """
+        """Indices -> codes: (B, C, H, W) with ``shape`` = (B, H, W, C), else ``indices.shape + (C,)``."""
         if self.remap is not None:
             indices = self.unmap_to_all(indices.reshape(shape[0], -1)).reshape(-1)
         if shape is not None:

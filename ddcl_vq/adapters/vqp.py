@@ -14,27 +14,21 @@ from .options import DDCLOptions
 class VQPAdapter(_DDCLAdapter):
     """DDCL behind vector-quantize-pytorch's ``VectorQuantize`` convention (single head).
 
-    ``forward(x, mask=None, lens=None)`` returns ``(quantized, indices, loss)``; the layouts
-    are the peer's:
+    ``forward(x, mask=None, lens=None)`` returns ``(quantized, indices, loss)`` in the peer's layouts:
+    x (B, N, dim) (``channel_last``, default) or (B, dim, N) -> indices (B, N); (B, dim, H, W)
+    (``accept_image_fmap``) -> (B, H, W); (B, dim, T, H, W) (``accept_3d_fmap``) -> (B, T, H, W);
+    (B, dim) -> (B,); quantized in x's layout. ``mask`` (B, N) bool (or ``lens`` (B,)) marks a
+    sequence's valid positions: padding stays out of the codebook and the loss and comes back as
+    zeros (or the input, ``return_zeros_for_masked_padding=False``) with index −1.
 
-    - ``channel_last=True`` (default): x (B, N, dim) -> quantized (B, N, dim), indices (B, N);
-    - ``channel_last=False``: x (B, dim, N) -> (B, dim, N), indices (B, N);
-    - ``accept_image_fmap=True``: x (B, dim, H, W) -> (B, dim, H, W), indices (B, H, W);
-    - ``accept_3d_fmap=True``: x (B, dim, T, H, W) -> (B, dim, T, H, W), indices (B, T, H, W);
-    - one token per row, x (B, dim) -> (B, dim), indices (B,).
-
-    ``mask`` (B, N) bool (or ``lens`` (B,)) marks valid positions of a sequence: padded
-    positions are left out of the codebook and the loss and come back as zeros (or the
-    input, with ``return_zeros_for_masked_padding=False``) with index −1; ``last_output`` then
-    covers the valid positions only.
-
-    ``loss`` is the DDCL loss (scalar), in training and eval. With ``codebook_dim`` ≠ ``dim``
-    the input is projected by ``project_in`` and the codes by ``project_out`` as in the peer.
-    ``codebook`` is the (codebook_size, codebook_dim) DDCL Parameter. ``commitment_weight`` is the
-    DDCL ``beta``; ``**ddcl_options``: any other :class:`~ddcl_vq.DDCLQuantizer` keyword argument
-    (:class:`~ddcl_vq.adapters.DDCLOptions`).
+    ``loss`` is the DDCL loss, in training and eval. ``codebook_dim`` ≠ ``dim`` projects by
+    ``project_in``/``project_out`` as the peer. ``codebook`` is the DDCL Parameter;
+    ``commitment_weight`` is ``beta``; ``**ddcl_options``: :class:`~ddcl_vq.adapters.DDCLOptions`.
+    ``use_cosine_sim=True`` is refused: DDCL has no cosine mode.
     """
 
+    _COSINE = ("expected a Euclidean VectorQuantize, got use_cosine_sim=True: DDCL has no cosine mode (its codes "
+               "are soft means, not unit vectors); l2-normalise the features before the adapter instead")
     _UNSUPPORTED = ("indices", "topk", "sample_codebook_temp", "freeze_codebook", "return_loss_breakdown",
                     "codebook_transform_fn", "ema_update_weight", "accum_ema_update", "ema_update")
 
@@ -43,6 +37,8 @@ class VQPAdapter(_DDCLAdapter):
                  commitment_weight: float = 1.0, return_zeros_for_masked_padding: bool = True,
                  **ddcl_options: Any):
         super().__init__()
+        if ddcl_options.pop("use_cosine_sim", False):
+            raise ValueError(self._COSINE)
         if accept_image_fmap and accept_3d_fmap:
             raise ValueError("expected at most one of accept_image_fmap and accept_3d_fmap, got both")
         codebook_dim = dim if codebook_dim is None else codebook_dim
@@ -81,14 +77,12 @@ class VQPAdapter(_DDCLAdapter):
 
     @classmethod
     def from_quantizer(cls, old: nn.Module, **ddcl_options: Any) -> "VQPAdapter":
-        """An adapter with ``old``'s sizes, layout flags, projections, device, dtype and codebook values.
-
-        ``old`` is a single-head ``vector_quantize_pytorch.VectorQuantize``; ``beta`` defaults to its
-        ``commitment_weight``. A codebook still waiting for its k-means init is not copied: the
-        DDCL codebook is then k-means-initialised on the first training batch instead.
-        """
+        """An adapter with a single-head ``VectorQuantize`` ``old``'s sizes, flags, projections and codebook (``beta``
+        defaults to its ``commitment_weight``; a codebook still waiting for k-means is k-means-initialised here)."""
         if getattr(old, "heads", 1) != 1:
             raise ValueError(f"expected a single-head VectorQuantize, got heads={old.heads}")
+        if getattr(old, "use_cosine_sim", False):
+            raise ValueError(cls._COSINE)
         codebook = old.codebook
         options = dict(ddcl_options)
         pending_kmeans = not bool(getattr(getattr(old, "_codebook", None), "initted", True))
