@@ -1,13 +1,10 @@
-"""Why a trained DDCL run's dead codes are dead (docs/results.md, "Large codebooks").
+"""Why a trained DDCL run's dead codes are dead.
 
   python scripts/dead_codes.py RUN_DIR [--images 1000]
 
-Reads RUN_DIR/eval.json (`ddcl-vq evaluate RUN_DIR`: which codes won no vector of the split) and the
-checkpoint, and prints for the dead codes and the codes in use: the share that has not won a
-training vector since it was last re-seeded (its EMA usage is still exactly N/K·0.9^t, t batches
-after seeding) and the median such t; the median squared distance to the nearest other code and
-to the nearest feature of the first --images test images, both over the running nearest-code
-distance (``distance_scale``; the softmax divisor is τ times it).
+Reads RUN_DIR/eval.json (`ddcl-vq evaluate RUN_DIR`) and the checkpoint, and prints for the dead codes and the codes
+in use: the share that has won no training vector since it was last re-seeded, and the median squared distance to
+the nearest other code and to the nearest test feature, both over ``distance_scale``.
 """
 from __future__ import annotations
 

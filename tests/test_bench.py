@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ddcl_vq.studies.bench.cli import main as bench_main
-from ddcl_vq.studies.bench.cost import IMPLS, plan_measurements
-from ddcl_vq.studies.bench.report import format_table
+from ddcl_vq.studies.bench.steps import IMPLS, plan_measurements
+from ddcl_vq.studies.bench.cli import format_table
 from ddcl_vq.studies.bench.run import run_bench
 from ddcl_vq.studies.bench.steps import e2e_rows
 
@@ -32,26 +32,26 @@ def test_run_bench_tiny_shapes_every_impl():
 
 def test_plan_skips_what_does_not_fit_and_says_why():
     cal = 1e-11
-    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-reference", "ddcl-chunked", "vqp"], warmup=1,
-                                    repeats=5, max_seconds=1e9, budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
+    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-soft-reference", "ddcl-soft-chunked", "vqp"], warmup=1,
+                              repeats=5, max_seconds=1e9, budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
     by = {p.name: p for p in plans}
-    assert "memory" in by["ddcl-reference"].skip and "memory" in by["vqp"].skip
-    assert by["ddcl-chunked"].skip is None
-    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-chunked"], warmup=1, repeats=5, max_seconds=0.001,
+    assert "memory" in by["ddcl-soft-reference"].skip and "memory" in by["vqp"].skip
+    assert by["ddcl-soft-chunked"].skip is None
+    plans = plan_measurements([(65536, 64, 65536)], ["ddcl-soft-chunked"], warmup=1, repeats=5, max_seconds=0.001,
                                     budget_seconds=60, mem_budget=8 * 2**30, cal=cal)
     assert "time" in plans[0].skip
 
 
 def test_main_writes_json_and_e2e_rows(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
+    assert bench_main(["--shapes", "32,4,8", "--impls", "ddcl-mstep", "ddcl-soft-fused", "ddcl-soft-chunked", "matmul6", "hardvq",
                        "--repeats", "1", "--no-e2e", "--no-vqgan", "--no-progress", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["cores"] >= 1 and data["meta"]["memory_method"] in ("rss", "subprocess")
-    assert {r["impl"] for r in data["rows"]} == {"ddcl-mstep", "ddcl-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
+    assert {r["impl"] for r in data["rows"]} == {"ddcl-mstep", "ddcl-soft-fused", "ddcl-soft-chunked", "matmul6", "hardvq"}
     printed = capsys.readouterr().out
     assert "peak MB" in printed and "% 6mm" in printed
-    rows = e2e_rows(repeats=1, warmup=0, batch=2, with_reference=False)
+    rows = e2e_rows(repeats=1, warmup=0, batch=2)
     assert {r["impl"] for r in rows} == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
     assert all(r["ms"] > 0 and r["K"] == 512 and r["D"] == 64 for r in rows)
     assert all(r["cpu_ms"] >= 0 and r["cpu_paired_ratio_vs_hardvq"] >= 0 and r["page_faults"] >= 0 for r in rows)
@@ -69,8 +69,8 @@ def test_paired_times_count_the_page_faults_of_each_step():
 
 
 def test_e2e_row_is_the_default_mstep_quantizer():
-    # the default DDCL (M-step codebook, straight_through) takes no assignment path: no reference row
-    rows = {r["impl"]: r for r in e2e_rows(repeats=1, warmup=0, batch=2, with_reference=True)}
+    # the default DDCL (M-step codebook, straight_through) takes no assignment path
+    rows = {r["impl"]: r for r in e2e_rows(repeats=1, warmup=0, batch=2)}
     assert set(rows) == {"vqvae-step-ddcl", "vqvae-step-hardvq"}
     assert rows["vqvae-step-ddcl"]["path"] == "mstep"
     assert "CPU time" in format_table(list(rows.values()))
@@ -103,17 +103,17 @@ def test_e2e_models_fall_back_only_for_missing_configs_and_say_why(tmp_path):
 
 
 def test_first_batch_row_measures_a_fresh_quantizer():
-    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-first", "ddcl-mstep", "ddcl-twins"], warmup=1,
+    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-first", "ddcl-mstep"], warmup=1,
                                             repeats=1, budget_seconds=5, max_seconds=10, calibration=1e-10)}
     assert rows["ddcl-first"]["ms"] > 0 and rows["ddcl-first"]["floor_matmuls"] == 3
-    assert rows["ddcl-twins"]["ms"] > 0 and rows["ddcl-twins"]["floor_matmuls"] == 3
+    assert rows["ddcl-mstep"]["ms"] > 0 and rows["ddcl-mstep"]["floor_matmuls"] == 3
     assert "ddcl-first" in format_table(list(rows.values()))
-    assert "first training batch" in IMPLS["ddcl-first"] and "revive_twins" in IMPLS["ddcl-twins"]
+    assert "first training batch" in IMPLS["ddcl-first"]
 
 
 def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
     # real modules: configs/vqgan_photos64.yaml through the training package, LPIPS with its real weights
-    from ddcl_vq.studies.bench.vqgan import VQGAN_ARMS, vqgan_setups, vqgan_rows
+    from ddcl_vq.studies.bench.steps import VQGAN_ARMS, vqgan_setups, vqgan_rows
     rows = {r["impl"]: r for r in vqgan_rows(repeats=2, warmup=0, batch=2)}
     assert set(rows) == {"vqgan-step-ddcl", "vqgan-step-hardvq"}
     for r in rows.values():
@@ -140,7 +140,7 @@ def test_vqgan_rows_time_the_recipe_step_with_the_discriminator_on():
 
 
 def test_vqgan_rows_are_skipped_with_the_reason_without_the_config(tmp_path, capsys):
-    from ddcl_vq.studies.bench.vqgan import vqgan_rows
+    from ddcl_vq.studies.bench.steps import vqgan_rows
     rows = vqgan_rows(repeats=1, warmup=0, batch=2, configs=tmp_path)
     assert [r["impl"] for r in rows] == ["vqgan-step-ddcl", "vqgan-step-hardvq"]
     assert all(r["ms"] is None and "vqgan_photos64.yaml not found" in r["skipped"] for r in rows)

@@ -1,12 +1,11 @@
 """The commitment ramp (DDCLQuantizer(beta_final=1.0), the default): beta rises linearly to
 beta_final over schedule_steps calls of step(), then stays; without schedule_steps, or with
-beta_final=None, it is constant; bad values are refused; configs carry it, and a run saved before
-the ramp existed keeps its constant weight."""
+beta_final=None, it is constant; bad values are refused; configs carry it."""
 import pytest
 import torch
 
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.tokenizer.config import Config, load_config
+from ddcl_vq.tokenizer.config import Config
 
 
 def _weights(quantizer, steps):
@@ -39,13 +38,6 @@ def test_assigning_the_temperature_keeps_the_ramp():
     q = DDCLQuantizer(16, 4, schedule_steps=10, channel_dim=-1, warmup_steps=0).train()
     q.temperature = 0.1
     assert q.schedule_steps == 10 and _weights(q, 11)[10] == pytest.approx(1.0, rel=1e-4)
-
-
-def test_a_run_saved_before_the_ramp_keeps_its_constant_weight(tmp_path):
-    old_run = tmp_path / "config.yaml"
-    old_run.write_text("quantizer: {type: ddcl, codebook_update: mstep, warmup_steps: 100, revive_criterion: usage}\n")
-    assert load_config(old_run, migrate=True).quantizer.beta_final is None   # what it was trained with
-    assert load_config(old_run).quantizer.beta_final == 1.0                  # a user's config: today's default
 
 
 def test_bad_beta_final_is_refused_and_configs_carry_it():

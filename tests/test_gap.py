@@ -9,7 +9,7 @@ from ddcl_vq.tokenizer.gap import duplicate_codes, lloyd_step, main, nearest_cod
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import build_dataset
 from ddcl_vq.tokenizer.train import train
-from ddcl_vq.tokenizer.testset import reconstruction_pass
+from ddcl_vq.tokenizer.evaluate import reconstruction_pass
 from conftest import TINY
 
 TINY = TINY + ["train.eval_images=0"]

@@ -11,8 +11,8 @@ import yaml
 
 from ddcl_vq.tokenizer.evaluate import main as evaluate_main
 from ddcl_vq.studies.cli import main as study_main
-from ddcl_vq.studies.config import load_study
-from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.studies.study import load_study
+from ddcl_vq.tokenizer.train import main as train_main
 from ddcl_vq.tokenizer.config import ConfigError, load_config
 from ddcl_vq.common.data import (NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, PHOTOGRAPHS, build_dataset,
                                 digits_arrays, image_channels, natural_patches)

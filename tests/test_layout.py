@@ -177,8 +177,8 @@ def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
         assert name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py") in names, name
     # the unpacked wheel, first on the path, imports and runs on its own files
     code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-            "import ddcl_vq.models, ddcl_vq.tokenizer.train_cli, ddcl_vq.cli\n"
-            "for m in (ddcl_vq.models, ddcl_vq.tokenizer.train_cli, ddcl_vq.cli):\n"
+            "import ddcl_vq.models, ddcl_vq.tokenizer.train, ddcl_vq.cli\n"
+            "for m in (ddcl_vq.models, ddcl_vq.tokenizer.train, ddcl_vq.cli):\n"
             "    assert m.__file__.startswith(sys.argv[1]), m.__file__\n"
             "assert ddcl_vq.cli.main(['--help']) == 0\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=tmp_path, capture_output=True,

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from ddcl_vq import cli
-from ddcl_vq.prior.classifier import frechet_distance
-from ddcl_vq.prior.config import PriorConfig, load_prior_config
+from ddcl_vq.prior.evaluation import frechet_distance
 from ddcl_vq.prior.data import PriorData, load_tokens
-from ddcl_vq.prior.train import load_prior, nll_bits, train_prior
-from ddcl_vq.tokenizer.tokenize import tokenize_run
+from ddcl_vq.prior.train import PriorConfig, load_prior, load_prior_config, nll_bits, train_prior
+from ddcl_vq.tokenizer.tokens import tokenize_run
 from ddcl_vq.models.prior import CodePrior
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.tokenizer.train import train
@@ -220,6 +219,12 @@ def test_one_line_errors(tokenized, tmp_path, capsys):
     assert cli.main(["prior", "sample", str(tmp_path / "nothing"), "--count", "4", "--out", "x.png"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err
+    # a seed torch cannot take (issue 51, item 3: a traceback before)
+    assert cli.main(["prior", "train", str(tokenized["run"]), "--tokens", str(tokenized["train"]),
+                     f"run.seed={2 ** 64}", f"run.dir={tmp_path / 'seed'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "config key 'run.seed': expected a seed torch accepts" in err
+    assert not (tmp_path / "seed").exists()
     # codes out of the tokenizer's range
     bad = tmp_path / "bad.npy"
     np.save(bad, np.full((4, 8, 8), 40, dtype=np.uint8))
@@ -319,7 +324,6 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     assert {a.config.quantizer.type for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
     assert seeds == [0, 1, 2] and ev["samples"] == 1000 and tok["train_images"] == 0
     # the same prior for every tokenizer: the file's prior is the shipped prior config
-    from ddcl_vq.prior.config import load_prior_config
     assert load_prior_config(None, prior) == load_prior_config(ROOT / "configs/prior_fashion.yaml")
     quick = load_prior_study(ROOT / "configs/study_prior.yaml", quick=True, out=tmp_path / "q", arms=["ddcl_k256*"],
                              prior_seeds=[0])
@@ -330,7 +334,6 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
 def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
     """configs/study_prior_cpu.yaml: the same tokenizers, evaluation and prior model; only the
     prior's steps (600) and its evaluation interval change."""
-    from ddcl_vq.prior.config import load_prior_config
     from ddcl_vq.studies.prior_study import load_prior_study
 
     full = load_prior_study(ROOT / "configs/study_prior.yaml", out=tmp_path)
@@ -346,8 +349,7 @@ def test_study_prior_cpu_is_the_full_study_with_a_shorter_prior(tmp_path):
 def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_path):
     """configs/study_prior_seeds.yaml and study_prior_gap.yaml sit beside study_prior_cpu.yaml's rows
     in docs/prior.md: their DDCL and peer tokenizers are the CPU study's but for the seed, their
-    revive_twins and τ arms DDCL's default but for those keys, and the prior, tokens and evaluation
-    are the same."""
+    τ arms DDCL's default but for the schedule, and the prior, tokens and evaluation are the same."""
     from ddcl_vq.studies.prior_study import load_prior_study
 
     cpu = load_prior_study(ROOT / "configs/study_prior_cpu.yaml", out=tmp_path)
@@ -359,15 +361,10 @@ def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_p
     seeds = load_prior_study(ROOT / "configs/study_prior_seeds.yaml", out=tmp_path)
     assert sorted({a.config.run.seed for a in seeds[1].arms}) == [1, 2] and seeds[5] == [0]
     for arm in seeds[1].arms:
-        twins = arm.group.startswith("ddcl_twins_")
-        like = by_group[arm.group.replace("ddcl_twins_", "ddcl_")]
-        expected = dataclasses.replace(like, quantizer=dataclasses.replace(like.quantizer, revive_twins=True)) \
-            if twins else like
-        assert same_run(arm.config, like) == expected, arm.name
+        assert same_run(arm.config, by_group[arm.group]) == by_group[arm.group], arm.name
     gap = load_prior_study(ROOT / "configs/study_prior_gap.yaml", out=tmp_path)
     changed = {"ddcl_tau_anneal_k1024": {"temperature_schedule": "cosine", "temperature_final": 0.01},
-               "ddcl_tau_anneal3_k1024": {"temperature_schedule": "cosine", "temperature_final": 0.003},
-               "ddcl_twins_k1024": {"revive_twins": True}, "ddcl_twins_k256": {"revive_twins": True}}
+               "ddcl_tau_anneal3_k1024": {"temperature_schedule": "cosine", "temperature_final": 0.003}}
     assert {a.group for a in gap[1].arms} == set(changed)
     for arm in gap[1].arms:
         like = by_group["ddcl_k" + arm.group.rsplit("_k", 1)[1]]
@@ -378,7 +375,7 @@ def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_p
 
 
 def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
-    from ddcl_vq.studies.prior_study import aggregate, markdown, write_plot
+    from ddcl_vq.studies.prior_study import aggregate_priors, markdown, write_plot
 
     base = {"tokenizer": "ddcl_k256_s0", "type": "ddcl", "num_codes": 256, "psnr": 24.0, "utilization": 1.0,
             "perplexity": 200.0, "log2_k": 8.0, "fd_recon": 1.0}
@@ -386,8 +383,8 @@ def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
             for s, b, f in ((0, 5.0, 2.0), (1, 6.0, 4.0))]
     runs.append(dict(base, tokenizer="hard_k256_s0", type="hard", prior_seed=0, bits_per_token=4.0,
                      bits_per_image=256.0, fd_samples=3.0, class_accuracy=None))
-    groups = aggregate(runs)
-    assert [g["tokenizer"] for g in groups] == ["ddcl_k256_s0", "hard_k256_s0"]
+    groups = aggregate_priors(runs)
+    assert [g["name"] for g in groups] == ["ddcl_k256_s0", "hard_k256_s0"] and groups[0]["seeds"] == [0, 1]
     assert groups[0]["bits_per_token"] == 5.5 and groups[0]["bits_per_token_sd"] == pytest.approx(math.sqrt(0.5))
     assert groups[0]["fd_samples"] == 3.0 and groups[1]["bits_per_token_sd"] is None
     table = markdown(groups)
@@ -399,7 +396,7 @@ def test_study_table_is_mean_and_sd_over_prior_seeds(tmp_path):
 def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
     """An arm on several tokenizer seeds gets one row over them: the mean ± sd of each tokenizer's
     (prior-averaged) figures; an arm on one tokenizer seed gets none."""
-    from ddcl_vq.studies.prior_study import aggregate, over_tokenizer_seeds, seeds_markdown
+    from ddcl_vq.studies.prior_study import aggregate_priors, over_tokenizer_seeds, seeds_markdown
 
     base = {"type": "ddcl", "num_codes": 256, "utilization": 1.0, "perplexity": 200.0, "log2_k": 8.0,
             "fd_recon": 1.0, "bits_per_image": None, "class_accuracy": 0.5}
@@ -410,10 +407,10 @@ def test_table_over_tokenizer_seeds_is_the_spread_between_tokenizers(tmp_path):
                  for p, b in enumerate(bits)]
     runs.append(dict(base, tokenizer="hard_k256_s0", group="hard_k256", tokenizer_seed=0, type="hard", psnr=20.0,
                      prior_seed=0, bits_per_token=2.0, fd_samples=7.0))
-    rows = over_tokenizer_seeds(aggregate(runs))
-    assert [r["arm"] for r in rows] == ["ddcl_k256"]
+    rows = over_tokenizer_seeds(aggregate_priors(runs))
+    assert [r["name"] for r in rows] == ["ddcl_k256"]
     row = rows[0]
-    assert row["tokenizer_seeds"] == [0, 1, 2] and row["n"] == 3
+    assert row["seeds"] == [0, 1, 2] and row["n"] == 3
     assert row["bits_per_token"] == pytest.approx(4.1) and row["bits_per_token_sd"] == pytest.approx(1.0)
     assert row["psnr"] == pytest.approx(25.0) and row["fd_samples_sd"] == pytest.approx(10.0)
     assert row["bits_per_image"] is None

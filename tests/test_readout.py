@@ -1,6 +1,5 @@
 """DDCLReadout and HierarchicalCompressor: identity, masking, linear cost, errors, a real-data run."""
 import json
-import warnings
 
 import pytest
 import torch
@@ -193,7 +192,7 @@ class WorkCounter(TorchFunctionMode):
 def work(module, t):
     x = torch.randn(2, t, 16)
     with WorkCounter() as counter:
-        out = module(x)
+        module(x)
     return counter
 
 

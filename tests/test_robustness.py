@@ -24,14 +24,13 @@ import torch
 import yaml
 
 from ddcl_vq import cli
-from ddcl_vq.studies import compare as compare_module
 from ddcl_vq.studies.compare import compare, needs_eval
-from ddcl_vq.tokenizer.evaluate import EvaluateError, evaluate_run
+from ddcl_vq.tokenizer.evaluate import evaluate_run
 from ddcl_vq.tokenizer.evaluate import main as evaluate_main
 from ddcl_vq.common.checkpoint import load_checkpoint
-from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.train import main as train_main
 from ddcl_vq.tokenizer.config import load_config
-from ddcl_vq.common.data import DataUnavailable, UnreadableImage
+from ddcl_vq.common.data import UnreadableImage
 from ddcl_vq.common.errors import UserError
 from ddcl_vq.tokenizer.train import EndOfRunEvaluationFailed, train
 from ddcl_vq.common.rundir import LOCK_NAME, RunDirError, RunLock
@@ -100,32 +99,19 @@ def test_resume_may_train_longer_but_not_shorter(tiny_config, capsys):
         train(tiny_config(*SMALL), quiet=True)
 
 
-def test_old_run_resumes_and_evaluates_as_it_was(tiny_config, tmp_path):
-    """A run saved before the M-step (its config.yaml and checkpoint lack the new quantizer keys)
-    is migrated to what it was trained with, on both sides of the comparison."""
-    legacy = ["quantizer.codebook_update=gradient", "quantizer.temperature_reference=dim",
-              "quantizer.revive_threshold=0", "quantizer.codebook_init=uniform"]
-    cfg = tiny_config(*SMALL, *legacy)
+def test_a_checkpoint_of_an_older_version_is_refused_on_resume_naming_the_version(tiny_config):
+    """Issue 49: a run whose checkpoint was trained with keys since retired does not resume as something else: one
+    line names the version."""
+    cfg = tiny_config(*SMALL)
     train(cfg, quiet=True)
     run = Path(cfg.run.dir)
-    new_keys = ("codebook_update", "temperature_reference", "revive_threshold", "encoder_gradient")
-    raw = yaml.safe_load((run / "config.yaml").read_text())
-    for key in new_keys:
-        del raw["quantizer"][key]
-    (run / "config.yaml").write_text(yaml.safe_dump(raw))
     for path in (run / "checkpoints").glob("*.pt"):
         state = torch.load(path, weights_only=True)
-        for key in new_keys:
-            del state["config"]["quantizer"][key]
-        for key in ("cluster_mass", "cluster_usage", "cluster_sums", "distance_scale", "revived"):
-            state["model"].pop(f"quantizer.{key}", None)  # the M-step's buffers
+        state["config"]["quantizer"]["codebook_update"] = "gradient"  # an option retired in 0.2.0
         torch.save(state, path)
-    assert train_main(["--quiet", "--config", str(run / "config.yaml"), "train.steps=8"]) == 0
-    assert load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 8
-    assert evaluate_main([str(run), "--max-images", "32", "--quiet"]) == 0
-    # the shipped config (today's M-step recipe) is another recipe: refused, naming it
-    with pytest.raises(RunDirError, match="quantizer.codebook_update 'gradient' -> 'mstep'"):
-        train(tiny_config(*SMALL, "train.steps=8", "quantizer.codebook_init=uniform"), quiet=True)
+    with pytest.raises(RunDirError, match="cannot be read by this version .*written by ddcl-vq 0.1.0 before "
+                                          "quantizer.codebook_update was retired or renamed"):
+        train(tiny_config(*SMALL, "train.steps=8"), quiet=True)
 
 
 # --------------------------------------------------------------------------- 2. one training per folder

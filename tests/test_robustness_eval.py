@@ -219,7 +219,18 @@ TAMPERED = {
     "channels=10**9": (_edit("decoder_kwargs", "channels", 10**9), "decoder_kwargs.channels"),
     "weights cut in the tensors": (_truncate(30_000), "is truncated: its header lists"),
     "weights cut in the header": (_truncate(100), "it is truncated or not safetensors"),
+    # issue 51: a NaN in the quantizer's schedule was "weights do not fit"; a float16 re-save loaded silently
+    "NaN in the schedule": (lambda f: _poison(lambda k, t: k == "quantizer.schedule", False, float("nan"))(f),
+                            "hold values that are not finite (NaN or Inf): 1 of 4 in quantizer.schedule"),
+    "re-saved as float16": (lambda f: _half(f), "as float16 (and"),
 }
+
+
+def _half(folder: Path):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: t.half() if t.dtype == torch.float32 else t for k, t in tensors.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("case", list(TAMPERED))
@@ -562,3 +573,95 @@ def test_prior_sample_refuses_a_count_the_machine_cannot_hold_with_the_figure(ru
     assert cli.main(["prior", "sample", str(prior), "--count", "4", "--out", str(tmp_path / "a_file" / "s.png"),
                      "--device", "cpu"]) == 2
     assert f"'{tmp_path / 'a_file'}' is a file, not a folder" in one_error_line(capsys, "prior sample")
+
+
+# --------------------------------------------------------------------------- issue 51: rough edges
+
+def test_a_short_file_of_zeros_is_not_a_npy_file_and_tokens_of_another_run_get_a_note(run, exported, tmp_path,
+                                                                                       capsys):
+    zeros = tmp_path / "zeros.npy"
+    zeros.write_bytes(bytes(100))
+    assert cli.main(["decode", str(exported), str(zeros), "--out", str(tmp_path / "g.png")]) == 2
+    line = one_error_line(capsys, "decode")
+    assert "it is not a .npy file (it does not begin with numpy's header" in line and "pickled" not in line, line
+    tokens = tmp_path / "t.safetensors"
+    assert cli.main(["tokenize", str(run), "--split", "test", "--max-images", "8", "--out", str(tokens),
+                     "--quiet"]) == 0
+    other = copy_run(run, tmp_path / "other")  # the same K: decodable, but another run's codebook
+    for model, noted in ((run, False), (exported, False), (other, True)):
+        assert cli.main(["decode", str(model), str(tokens), "--out", str(tmp_path / "g.png")]) == 0
+        err = capsys.readouterr().err
+        assert (f"note: the tokens were made by {run} (step 6), not by '{other}'" in err) == noted, err
+
+
+def _concurrently(*argvs):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "ddcl_vq", *map(str, argv)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for argv in argvs]
+    return [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+
+
+def test_two_exports_or_tokenizes_to_one_new_target_do_not_both_succeed(run, tmp_path):
+    """Issue 51: two concurrent exports into one new folder, or tokenizes to one file without --overwrite, both
+    succeeded (the second silently replaced the first); now one of them fails in one line."""
+    out, tokens = tmp_path / "out", tmp_path / "t.npy"
+    for argvs, name in ((2 * [["export", run, out, "--quiet"]], "export"),
+                        (2 * [["tokenize", run, "--split", "test", "--max-images", "500", "--out", tokens, "--quiet"]],
+                         "tokenize")):
+        results = _concurrently(*argvs)
+        assert sorted(code for code, _ in results) == [0, 2], results
+        err = next(e for code, e in results if code == 2).strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddcl-vq {name}: error: ") and "--overwrite" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder, no hidden file
+
+
+def test_a_read_only_folder_is_named_not_the_hidden_temporary_file(run, exported, tmp_path, capsys):
+    target = tmp_path / "ro"
+    target.mkdir()
+    codes = tmp_path / "c.npy"
+    np.save(codes, np.zeros((2, 8, 8), dtype=np.uint8))
+    with read_only(target) as ro:
+        for prog, argv, named in (("export", ["export", run, ro / "out"], ro / "out"),
+                                  ("tokenize", ["tokenize", run, "--split", "test", "--max-images", "8", "--out",
+                                                ro / "t.npy", "--quiet"], ro / "t.npy"),
+                                  ("decode", ["decode", exported, codes, "--out", ro / "g.png"], ro / "g.png")):
+            assert cli.main([str(a) for a in argv]) == 2
+            line = one_error_line(capsys, prog)
+            assert f"'{named}'" in line and "Read-only file system" in line and ".tmp-" not in line \
+                and ".export-" not in line, line
+
+
+def test_tokenize_stopped_by_sigterm_says_so_in_one_line(run, tmp_path):
+    out = tmp_path / "t.npy"
+    code = ("import os, signal, sys\n"
+            "from ddcl_vq.common import progress\n"
+            "update = progress.Progress.update\n"
+            "def update_then_stop(self, n=1):\n"
+            "    update(self, n)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "progress.Progress.update = update_then_stop\n"
+            "from ddcl_vq.cli import main\n"
+            f"sys.exit(main(['tokenize', {str(run)!r}, '--split', 'test', '--max-images', '600', '--batch-size', "
+            f"'100', '--out', {str(out)!r}, '--quiet']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 143 and len(err) == 1, done.stderr[-2000:]
+    assert err[0] == f"ddcl-vq tokenize: stopped by SIGTERM while encoding; nothing was written to '{out}'"
+    assert not list(tmp_path.iterdir())
+
+
+def test_evaluate_or_compare_of_a_prior_run_names_the_command_that_evaluates_it(run, tmp_path, capsys):
+    tokens, prior = tmp_path / "t.npy", tmp_path / "prior"
+    assert cli.main(["tokenize", str(run), "--split", "test", "--max-images", "32", "--out", str(tokens),
+                     "--quiet"]) == 0
+    assert cli.main(["prior", "train", str(run), "--tokens", str(tokens), f"run.dir={prior}", "train.steps=1",
+                     "train.batch_size=8", "model.dim=16", "model.layers=1", "model.heads=2", "train.eval_images=0",
+                     "train.device=cpu", "--quiet"]) == 0
+    capsys.readouterr()
+    for argv, prog in ((["evaluate", prior], "evaluate"), (["compare", prior, "--out", tmp_path / "cmp"], "compare")):
+        assert cli.main([str(a) for a in argv]) == 2
+        line = one_error_line(capsys, prog)
+        assert "is the config of a prior run" in line and "ddcl-vq prior evaluate" in line, line
+        assert "unknown config key" not in line

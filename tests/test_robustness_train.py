@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ddcl_vq.common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ddcl_vq.tokenizer.train_cli import main as train_main
+from ddcl_vq.tokenizer.train import main as train_main
 from ddcl_vq.tokenizer.config import Config, ConfigError, load_config
 from ddcl_vq.common.data import DataUnavailable, ImageFiles, build_dataset, fashion_mnist_arrays
 from ddcl_vq.tokenizer.train import train
@@ -125,7 +125,7 @@ def test_resume_across_a_revival_is_bit_identical(straight_run, tmp_path):
 KILLER = """
 import os, signal, sys
 from ddcl_vq.tokenizer import train as loop
-from ddcl_vq.tokenizer.train_cli import main
+from ddcl_vq.tokenizer.train import main
 after_step = loop.RunLog.after_step
 def kill_after(self, step, *args, **kwargs):
     after_step(self, step, *args, **kwargs)
@@ -256,7 +256,7 @@ def test_yaml_alias_bomb_deep_nesting_and_huge_files_are_one_line(tmp_path, caps
 def test_study_files_are_bounded_like_configs(tmp_path, capsys):
     """Both study commands read their YAML through the same bounded reader as a training config."""
     from ddcl_vq.studies.prior_study import read_prior_study
-    from ddcl_vq.studies.config import read_study_file
+    from ddcl_vq.studies.study import read_study_file
 
     (tmp_path / "bomb.yaml").write_text(alias_bomb())
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
@@ -316,7 +316,7 @@ def test_a_configuration_the_machine_cannot_hold_is_refused_with_the_figure(conf
 
 def test_memory_estimate_counts_the_real_model(tmp_path):
     from ddcl_vq.tokenizer.builders import build_model
-    cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.codebook_update=gradient"])
+    cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.type=hard"])  # a codebook in training
     model = build_model(cfg, 1)
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -428,8 +428,8 @@ def test_codebook_lr_only_for_a_codebook_with_a_learning_rate_and_revived_is_cum
     assert total > 0
     tags = EventAccumulator(str(mstep / "tb")).Reload().Tags()["scalars"]
     assert "revived_total" in tags and "revived_new" in tags and "revived" not in tags and "codebook_lr" not in tags
-    gradient = tmp_path / "gradient"
-    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "quantizer.codebook_update=gradient",
+    gradient = tmp_path / "gradient"  # a codebook trained by gradient (HardVQ's)
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "quantizer.type=hard",
                                                                    f"run.dir={gradient}"]), quiet=True)
     assert all(r["codebook_lr"] == pytest.approx(r["lr"] * 3.0) for r in records(gradient))
 
@@ -558,3 +558,66 @@ def test_init_from_a_path_that_is_not_an_export_says_what_it_is(tmp_path, capsys
         line = one_error_line(capsys)
         assert f"train.init_from '{source}'" in line and message in line and "Repo id" not in line, line
     assert not (tmp_path / "new").exists()
+
+
+# --------------------------------------------------------------------------- issue 51
+
+def test_a_seed_torch_does_not_take_is_one_line_and_any_it_takes_trains(tmp_path, capsys):
+    """Issue 51, item 3: run.seed=9223372036854775808 (or 2**64, 1e20) was a traceback (ValueError 'Overflow when
+    unpacking long long'). Every seed torch.manual_seed takes, -2**63 .. 2**64 - 1, trains (a negative seed is the same
+    seed as seed + 2**64, in the data order too); others are refused in one line."""
+    for seed in ("18446744073709551616", "-9223372036854775809", "1e20"):
+        assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), *TINY, f"run.seed={seed}",
+                           f"run.dir={tmp_path / 'refused'}"]) == 2
+        line = one_error_line(capsys)
+        assert "config key 'run.seed'" in line and ("seed torch accepts" in line or "1e20" in line), line
+    assert not (tmp_path / "refused").exists()
+    for seed in (2 ** 63, 2 ** 64 - 1, -1):
+        cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "train.eval_images=0",
+                                                                      f"run.seed={seed}", f"run.dir={tmp_path / str(seed)}"])
+        assert train(cfg, quiet=True)["step"] == 2
+    assert torch.equal(load_checkpoint(tmp_path / "-1" / "checkpoints" / "last.pt")["model"]["encoder.net.0.weight"],
+                       load_checkpoint(tmp_path / str(2 ** 64 - 1) / "checkpoints" / "last.pt")["model"]
+                       ["encoder.net.0.weight"])
+
+
+def test_a_dangling_run_dir_link_and_a_last_pt_link_loop_say_what_they_are(tmp_path, capsys):
+    """Issue 51: a dangling symlink as run.dir was 'cannot be written (File exists)'; a last.pt link loop was 'has no
+    checkpoint'."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), *TINY, f"run.dir={link}"]) == 2
+    line = one_error_line(capsys)
+    assert f"run.dir '{link}' is a symbolic link to '{tmp_path / 'gone'}', which leads to no folder" in line, line
+    run = tmp_path / "run"
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["train.steps=2", "train.eval_images=0",
+                                                                  f"run.dir={run}"]), quiet=True)
+    for p in (run / "checkpoints").iterdir():
+        p.unlink()
+    (run / "checkpoints" / "last.pt").symlink_to(run / "checkpoints" / "last.pt")
+    from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+    assert evaluate_main([str(run)]) == 2
+    line = one_error_line(capsys, "evaluate")
+    assert "is a symbolic link that leads to no file (a loop of links)" in line and "has no checkpoint" not in line
+
+
+def test_discriminator_settings_without_a_discriminator_do_not_block_resuming(tmp_path, capsys):
+    """Issue 51: loss.disc_start is accepted on a run without a discriminator (loss.disc_weight=0), where it does
+    nothing: a change of it does not block resuming (a change with a discriminator still does)."""
+    base = ["train.eval_images=0", f"run.dir={tmp_path / 'run'}"]
+    train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + base + ["train.steps=2", "loss.disc_start=5"]),
+          quiet=True)
+    assert train(load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + base + ["train.steps=3"]),
+                 quiet=True)["step"] == 3
+
+
+def test_init_from_a_diffusers_export_says_it_is_one(tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": "VQModel", "in_channels": 1}))
+    (folder / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    assert train_main(["--config", str(ROOT / "configs/fashion_ddcl.yaml"), *TINY, f"train.init_from={folder}",
+                       f"run.dir={tmp_path / 'new'}"]) == 2
+    line = one_error_line(capsys)
+    assert f"train.init_from '{folder}' is a diffusers folder (ddcl-vq export --format diffusers" in line, line
+    assert "encoder_kwargs" not in line and len(line) < 400

@@ -9,6 +9,7 @@ then for each real loop through its command: the tokenizer's (``ddcl-vq train``)
   checkpoint and ends with the uninterrupted run's weights and lines;
 - the learning-rate schedule, the one definition every loop uses.
 """
+import collections
 import json
 import math
 import os
@@ -87,6 +88,64 @@ def test_lines_past_the_checkpoint_go_and_stop_after_leaves_with_a_checkpoint(tm
         f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n" + json.dumps({"step": 6, "loss": 0.0}) + '\n{"step": 7, "lo')
     assert torch.equal(toy_loop(run), straight)
     assert steps_logged(run) == list(range(1, 13))
+
+
+class SignalWhenSaved:
+    """A part of the checkpoint that, once armed, sends this process a SIGTERM while torch.save pickles it: a second
+    signal that arrives while the stop's checkpoint is being written."""
+
+    def __init__(self):
+        self.armed = False
+
+    def state_dict(self):
+        return {"probe": self}
+
+    def load_state_dict(self, state):
+        pass
+
+    def __reduce__(self):
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return collections.OrderedDict, ()  # what a weights-only load admits
+
+
+def test_a_second_signal_while_the_checkpoint_is_written_abandons_it_whole(tmp_path):
+    """Issue 51, item 2: a second SIGTERM while the first one's checkpoint was written killed the process: no line, no
+    checkpoint, a stale lock. Now the checkpoint being written is abandoned whole, the previous one kept, one line."""
+    run = TrainingRun(tmp_path / "run", 12, checkpoint_every=4, log_every=1, name="toy", device="cpu", quiet=True)
+    probe = SignalWhenSaved()
+    with pytest.raises(Stopped) as stop:
+        with run:
+            model = torch.nn.Linear(3, 1)
+            run.keep(model=model, probe=probe)
+            for step, x in run.steps(iter(lambda: torch.randn(8, 3), None), run.resume(run.latest())):
+                model(x).sum().backward()
+                if step + 1 == 6:
+                    probe.armed = True
+                    os.kill(os.getpid(), signal.SIGTERM)  # the first: the step finishes, its checkpoint is written
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert ("stopped at once by a second SIGTERM while the checkpoint of step 6 was being written (abandoned: not a "
+            "partial file); the checkpoint of step 4 is kept") in str(stop.value)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert torch.load(checkpoints / "last.pt", weights_only=True)["step"] == 4
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt", "step_0000004.pt"]  # no partial file
+    assert not (tmp_path / "run" / "train.lock").exists()
+
+
+def test_train_stopped_twice_says_so_in_one_line_and_leaves_no_lock(tmp_path):
+    """The same through ``ddcl-vq train``: two SIGTERMs in a row stop at once, one line, exit 143, no stale lock; the
+    same command resumes."""
+    run = tmp_path / "run"
+    argv = TRAIN + [f"run.dir={run}"]
+    code = INJECT.format(step=3, signum=int(signal.SIGTERM), argv=argv).replace(
+        "os.kill(os.getpid(), 15)", "os.kill(os.getpid(), 15); os.kill(os.getpid(), 15)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 143 and len(err) == 1, done.stderr[-2000:]
+    assert err[0].startswith("ddcl-vq train: stopped at once by a second SIGTERM") and "run the same command" in err[0]
+    assert not (run / "train.lock").exists()
+    assert command(argv).returncode == 0
 
 
 def test_lr_schedule():

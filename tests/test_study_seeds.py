@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddcl_vq.studies.compare import ms_per_step
-from ddcl_vq.studies.aggregate import aggregate, mean_sd, mean_sd_table
+from ddcl_vq.common.runlog import ms_per_step
 from ddcl_vq.studies.cli import main as study_main
-from ddcl_vq.studies.config import load_study
+from ddcl_vq.studies.study import load_study
+from ddcl_vq.studies.tables import aggregate, mean_sd, mean_sd_table
 from ddcl_vq.studies.report import headline
 from ddcl_vq.tokenizer.config import Config, ConfigError, load_config
 
@@ -57,17 +57,14 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
 
 def test_ablation_config_validates_chain_ends_at_the_defaults():
     study = load_study(ABLATION)
-    assert study.seeds == [0] and len(study.arms) == 12
+    assert study.seeds == [0] and len(study.arms) == 7
     assert all(a.name == a.group + "_s0" and a.config.quantizer.num_codes == 1024 for a in study.arms)
     cfg = {a.group: a.config for a in study.arms}
-    steps = [(cfg["b_kmeans_init"], cfg["a_first_recipe"]), (cfg["c_mstep_codebook"], cfg["b_kmeans_init"]),
-             (cfg["d_data_temperature"], cfg["c_mstep_codebook"]), (cfg["e_revival"], cfg["d_data_temperature"]),
-             (cfg["f_warmup"], cfg["e_revival"]), (cfg["g_sharp_mstep"], cfg["f_warmup"]),
-             (cfg["h_commitment_ramp"], cfg["g_sharp_mstep"])]
+    steps = [(cfg["e_revival"], cfg["d_data_temperature"]), (cfg["f_warmup"], cfg["e_revival"]),
+             (cfg["g_sharp_mstep"], cfg["f_warmup"]), (cfg["h_commitment_ramp"], cfg["g_sharp_mstep"])]
     changed = [set(_diff(new, old)) - {"run.name", "run.dir"} for new, old in steps]
-    assert changed == [{"quantizer.codebook_init"}, {"quantizer.codebook_update"},
-                       {"quantizer.temperature_reference", "quantizer.temperature"}, {"quantizer.revive_threshold"},
-                       {"quantizer.warmup_steps"}, {"quantizer.temperature"}, {"quantizer.beta_final"}]
+    assert changed == [{"quantizer.revive_threshold"}, {"quantizer.warmup_steps"}, {"quantizer.temperature"},
+                       {"quantizer.beta_final"}]
     assert cfg["f_warmup"].quantizer.temperature == 0.1 and cfg["g_sharp_mstep"].quantizer.temperature == 0.03
     default = Config.from_dict({"quantizer": {"num_codes": 1024}, "train": {"eval_images": 0}})
     base = load_config(ROOT / "configs" / "fashion_ddcl.yaml", ["quantizer.num_codes=1024", "train.eval_images=0"])
@@ -75,12 +72,11 @@ def test_ablation_config_validates_chain_ends_at_the_defaults():
     assert _diff(cfg["h_commitment_ramp"], default).keys() <= {"run.name", "run.dir"}
     assert cfg["g_sharp_mstep"].quantizer.beta_final is None and cfg["h_commitment_ramp"].quantizer.beta_final == 1.0
     alts = {g: set(_diff(cfg[g], cfg["g_sharp_mstep"])) - {"run.name", "run.dir"} for g in cfg if g.startswith("alt_")}
-    assert alts == {"alt_rotation": {"quantizer.encoder_gradient"}, "alt_decay_099": {"quantizer.decay"},
-                    "alt_revive_by_mass": {"quantizer.revive_criterion"},
+    assert alts == {"alt_decay_099": {"quantizer.decay"},
                     "alt_anneal": {"quantizer.temperature", "quantizer.temperature_schedule",
                                    "quantizer.temperature_final"}}
     assert {a.group: a.vs for a in study.arms}["alt_anneal"] == "g_sharp_mstep"
-    assert len(load_study(ABLATION, seeds=[0, 1, 2]).arms) == 36
+    assert len(load_study(ABLATION, seeds=[0, 1, 2]).arms) == 21
 
 
 # --------------------------------------------------------------------------- aggregation (pure functions)
@@ -185,7 +181,7 @@ def test_seeds_name_the_runs_and_set_run_seed(tmp_path):
     assert [a.name for a in load_study(_study_file(tmp_path), seeds=[0], only=["*_k8"]).arms] == ["d_k8_s0", "h_k8_s0"]
     with pytest.raises(ConfigError, match=r"option --arms: no arm matches 'x\*'; the arms are d_k16, h_k16"):
         load_study(_study_file(tmp_path), only=["x*"])
-    with pytest.raises(ConfigError, match="key 'seeds': expected distinct seeds"):
+    with pytest.raises(ConfigError, match="key 'seeds': expected a non-empty list of distinct seeds"):
         load_study(_study_file(tmp_path, seeds=[1, 1]))
     with pytest.raises(ConfigError, match="key 'seeds': expected a non-empty list"):
         load_study(_study_file(tmp_path, seeds=[]))
@@ -228,11 +224,14 @@ def test_large_k_config_runs_what_the_issue_asks():
     study = load_study(ROOT / "configs" / "study_large_k.yaml")
     names = {a.name for a in study.arms}
     for k in (16384, 65536):
-        assert {f"{arm}_k{k}_s{s}" for arm in ("ddcl", "simvq_fair", "vqp_kmeans_expiry") for s in (0, 1, 2)} <= names
+        assert {f"{arm}_k{k}_s{s}" for arm in ("ddcl", "simvq_fair", "vqp_kmeans_expiry", "fvq")
+                for s in (0, 1, 2)} <= names
         assert {f"{arm}_k{k}_s0" for arm in ("hard", "ema_restart", "ibq", "fsq")} <= names
     assert {a.name for a in study.arms if a.config.quantizer.num_codes == 262144} == \
-        {"ddcl_k262144_s0", "simvq_fair_k262144_s0", "ibq_k262144_s0"}
-    assert len(study.arms) == 29 and study.eval.max_images == 0
+        {"ddcl_k262144_s0", "simvq_fair_k262144_s0", "ibq_k262144_s0", "fvq_k262144_s0"}
+    fvq = [a.config for a in study.arms if a.config.quantizer.type == "fvq"]
+    assert {(c.train.lr_schedule, c.train.codebook_lr_ratio) for c in fvq} == {("anneal", 1.0)}
+    assert len(study.arms) == 36 and study.eval.max_images == 0
 
 
 # --------------------------------------------------------------------------- quick runs of the two configs
@@ -270,28 +269,26 @@ def test_quick_ablation_in_full(tmp_path, capsys):
     assert study_main(["--config", str(ABLATION), "--quick", "--out", str(out)]) == 0
     # stderr is not a terminal here: progress in plain lines (no carriage-return redraws)
     printed = capsys.readouterr()
-    assert "\r" not in printed.err and "arm 12/12 (100%)" in printed.err
+    assert "\r" not in printed.err and "arm 7/7 (100%)" in printed.err
     assert "g_sharp_mstep_s0: PSNR hard " in printed.out
     assert f"report: {out.absolute() / 'report.md'}" in printed.out
     report = (out / "report.md").read_text()
     assert "## What each change buys" in report
-    assert "- `b_kmeans_init` vs `a_first_recipe`: " in report and "- `alt_decay_099` vs `g_sharp_mstep`: " in report
-    assert report.count(" vs `") == 11 and "dB PSNR" in report and "ms/step (" in report
-    assert "| e_revival | ddcl | 1024 | straight_through, τ=0.1 (data), M-step, kmeans init, revival 0.03 |" in report
-    assert ("| f_warmup | ddcl | 1024 | straight_through, τ=0.1 (data), M-step, kmeans init, revival 0.03, "
-            "warm-up 100 |") in report
-    assert ("| g_sharp_mstep | ddcl | 1024 | straight_through, τ=0.03 (data), M-step, kmeans init, revival 0.03, "
-            "warm-up 100 |") in report
-    assert ("| h_commitment_ramp | ddcl | 1024 | straight_through, τ=0.03 (data), M-step, kmeans init, revival 0.03, "
-            "warm-up 100, β 0.25→1 |") in report
-    assert len((out / "table.csv").read_text().strip().splitlines()) == 1 + 12
+    assert "- `e_revival` vs `d_data_temperature`: " in report and "- `alt_decay_099` vs `g_sharp_mstep`: " in report
+    assert report.count(" vs `") == 6 and "dB PSNR" in report and "ms/step (" in report
+    assert "| e_revival | ddcl | 1024 | straight_through, τ=0.1, M-step, revival 0.03 |" in report
+    assert "| f_warmup | ddcl | 1024 | straight_through, τ=0.1, M-step, revival 0.03, warm-up 100 |" in report
+    assert "| g_sharp_mstep | ddcl | 1024 | straight_through, τ=0.03, M-step, revival 0.03, warm-up 100 |" in report
+    assert ("| h_commitment_ramp | ddcl | 1024 | straight_through, τ=0.03, M-step, revival 0.03, warm-up 100, "
+            "β 0.25→1 |") in report
+    assert len((out / "table.csv").read_text().strip().splitlines()) == 1 + 7
 
 
 def test_a_moved_run_directory_is_the_same_run_and_another_config_is_an_error(tmp_path):
     """check_run_dir: a run whose config.yaml differs from the arm's only in the path it was written
     under (a study directory moved or copied) is the arm's run; any other difference is an error
     that names the key."""
-    from ddcl_vq.studies.run import StudyError, check_run_dir
+    from ddcl_vq.studies.study import StudyError, check_run_dir
     from ddcl_vq.tokenizer.config import dump_config
 
     arm = load_study(HEADLINE, out=tmp_path / "moved").arms[0]

@@ -21,7 +21,7 @@ from ddcl_vq.tokenizer.evaluate import load_run
 from ddcl_vq.tokenizer.decode import decode_indices
 from ddcl_vq.tokenizer.export import export_run
 from ddcl_vq.tokenizer.tokens import index_dtype, read_tokens
-from ddcl_vq.tokenizer.tokenize import tokenize_run
+from ddcl_vq.tokenizer.tokens import tokenize_run
 from ddcl_vq.models import VQVAE
 from ddcl_vq.tokenizer.builders import quantizer_kwargs
 from ddcl_vq.tokenizer.config import load_config
@@ -331,7 +331,7 @@ def test_decode_command_reads_flat_uint16_tokens_and_an_explicit_shape(runs, exp
     np.save(tmp_path / "bad.npy", codes.reshape(12, 64)[:, :60])
     assert cli.main(["decode", str(exported), str(tmp_path / "bad.npy"), "--out", str(tmp_path / "b.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "H*W = 8*8 = 64 codes (the model's latent grid), got 60" in err[0]
+    assert len(err) == 1 and "h*w = 8*8 = 64 indices (the latent grid), got 60 per sequence" in err[0]
     assert not (tmp_path / "b.png").exists()
 
 
@@ -372,7 +372,7 @@ def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exp
 
 def test_init_from_starts_a_new_run_from_an_export_and_refuses_another_shape(exported, tmp_path, capsys):
     from ddcl_vq.tokenizer.builders import build_model
-    from ddcl_vq.tokenizer.init_from import NEW_RUN_STATE, init_from_export
+    from ddcl_vq.tokenizer.tokens import NEW_RUN_STATE, init_from_export
 
     cfg = load_config(ROOT / CONFIGS["ddcl"], TINY + [f"run.dir={tmp_path / 'ft'}", f"train.init_from={exported}",
                                                        "train.steps=2", "quantizer.temperature_schedule=constant"])

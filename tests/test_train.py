@@ -1,7 +1,6 @@
 """Training on real Fashion-MNIST with tiny budgets: every quantizer, resume, checkpoints, errors."""
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -10,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from ddcl_vq.models import VQVAE
 from ddcl_vq.common import data as data_module
 from ddcl_vq.tokenizer.builders import build_model
 from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from ddcl_vq.tokenizer.train_cli import main as train_main
-from ddcl_vq.tokenizer.config import RENAMED, Config, ConfigError, load_config
+from ddcl_vq.tokenizer.train import main as train_main
+from ddcl_vq.tokenizer.config import Config, ConfigError, dump_config, load_config
 from ddcl_vq.common.data import DataUnavailable, build_dataset, fashion_mnist_arrays
 from ddcl_vq.tokenizer.train import train
 from conftest import TINY_MODEL
@@ -181,30 +180,9 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
     assert (q.temperature, q.temperature_final, q.temperature_schedule, q.schedule_steps) == (1.0, 0.1, "cosine", 100)
     with pytest.raises(ConfigError, match="quantizer.temperature_final"):
         load_config(None, ["quantizer.temperature_schedule=cosine"])
-    # the old train.* keys name their new place, as overrides and in a file
-    for old, new in RENAMED.items():
-        with pytest.raises(ConfigError, match=f"'{old}' has moved to '{new}'"):
-            load_config(None, [f"{old}=cosine"])
-    with pytest.raises(ConfigError, match="'train.temperature_final' has moved to 'quantizer.temperature_final'"):
-        Config.from_dict({"train": {"temperature_final": 0.1}})
-    # a run's config.yaml written before the move is read with the keys moved
-    old_run = tmp_path / "config.yaml"
-    old_run.write_text("quantizer: {temperature: 1.0}\n"
-                       "train: {steps: 50, temperature_schedule: exponential, temperature_final: 0.2}\n")
-    with pytest.raises(ConfigError, match="has moved to"):
-        load_config(old_run)
-    moved = load_config(old_run, migrate=True).quantizer
-    assert (moved.temperature_schedule, moved.temperature_final) == ("exponential", 0.2)
-
-
-def test_rho_warning_for_ddcl_codebook_trained_by_gradient(tiny_config):
-    from ddcl_vq.tokenizer.builders import build_optimizer
-    cfg = tiny_config("train.codebook_lr_ratio=1.0", "quantizer.codebook_update=gradient")
-    with pytest.warns(UserWarning, match="timescale"):
-        build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
-    cfg = tiny_config("train.codebook_lr_ratio=4", "quantizer.codebook_update=gradient")
-    opt = build_optimizer(build_model(cfg, 1), cfg.train, "ddcl")
-    assert opt.param_groups[1]["lr"] == pytest.approx(4 * opt.param_groups[0]["lr"])
+    # the keys that moved to quantizer.* long ago are unknown keys now, like any other
+    with pytest.raises(ConfigError, match="unknown config key 'train.temperature_schedule'"):
+        load_config(None, ["train.temperature_schedule=cosine"])
 
 
 def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
@@ -217,21 +195,28 @@ def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
     assert not [w for w in recwarn if "timescale" in str(w.message)]
 
 
-def test_run_config_from_before_the_mstep_keeps_its_recipe(tmp_path):
-    old_run = tmp_path / "config.yaml"
-    old_run.write_text("quantizer: {type: ddcl, temperature: 0.01, codebook_init: uniform}\n")
-    legacy = load_config(old_run, migrate=True).quantizer
-    assert (legacy.codebook_update, legacy.temperature_reference, legacy.revive_threshold) == ("gradient", "dim", 0.0)
-    assert load_config(old_run).quantizer.codebook_update == "mstep"   # a user's config gets today's default
-
-
-def test_run_config_from_before_the_warmup_keeps_its_recipe(tmp_path):
-    old_run = tmp_path / "config.yaml"
-    old_run.write_text("quantizer: {type: ddcl, codebook_update: mstep, revive_threshold: 0.03}\n")
-    saved = load_config(old_run, migrate=True).quantizer
-    assert (saved.warmup_steps, saved.revive_criterion) == (0, "mass")    # what it was trained with
-    today = load_config(old_run).quantizer
-    assert (today.warmup_steps, today.revive_criterion) == (100, "usage")  # a user's config: today's defaults
+def test_a_run_config_of_another_version_is_refused_naming_the_version(tmp_path, capsys):
+    """Issue 49: the migrations of old runs are retired: a run's saved config with keys since retired or renamed, or
+    without keys this version has, is refused in one line naming the version (evaluate, train --config RUN/config.yaml);
+    a user's own config file is read as always (missing keys get today's defaults)."""
+    from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+    run = tmp_path / "old"
+    (run / "checkpoints").mkdir(parents=True)
+    raw = yaml.safe_load(dump_config(load_config(None, [f"run.dir={run}"])))
+    raw["quantizer"]["revive_twins"] = True          # an option retired in 0.2.0
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="was written by ddcl-vq 0.1.0 before quantizer.revive_twins was retired"):
+        load_config(run / "config.yaml", saved=True)
+    del raw["quantizer"]["revive_twins"], raw["quantizer"]["warmup_steps"]  # a key this version has and it lacks
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    for main, argv, prog in ((evaluate_main, [str(run)], "evaluate"),
+                             (train_main, ["--config", str(run / "config.yaml")], "train")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: ") and \
+            "written by ddcl-vq 0.1.0 before quantizer.warmup_steps existed; evaluate it with ddcl-vq 0.1.x or " \
+            "retrain it" in err[0], err
+    assert load_config(run / "config.yaml").quantizer.warmup_steps == load_config(None).quantizer.warmup_steps
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml")
@@ -268,7 +253,7 @@ def test_config_defaults_are_the_library_defaults():
     passed = quantizer_kwargs(QuantizerConfig(), dim=8, steps=None)
     signature = inspect.signature(DDCLQuantizer).parameters
     compared = {name: value for name, value in passed.items() if name not in ("num_codes", "dim", "schedule_steps")}
-    assert {"temperature", "warmup_steps", "revive_criterion", "revive_threshold", "encoder_gradient"} <= compared.keys()
+    assert {"temperature", "warmup_steps", "revive_threshold", "codebook_init"} <= compared.keys()
     assert compared == {name: signature[name].default for name in compared}
     assert DDCLQuantizer(16, 8).temperature == QuantizerConfig().temperature == 0.03
     # decay unset: each quantizer keeps its own default (DDCL's M-step 0.9, EMAVQ 0.99)
@@ -286,7 +271,7 @@ def test_config_choices_are_what_the_quantizers_accept():
 
     assert CHOICES["quantizer.type"] == tuple(QUANTIZER_TYPES)
     keys = [k for k in CHOICES if k.startswith("quantizer.") and k != "quantizer.type"]
-    assert {"quantizer.mode", "quantizer.codebook_update", "quantizer.implementation", "quantizer.distance"} <= set(keys)
+    assert {"quantizer.mode", "quantizer.codebook_init", "quantizer.implementation", "quantizer.distance"} <= set(keys)
     for key in keys:
         qtype = "hard" if key == "quantizer.distance" else "ddcl"
         for value in CHOICES[key]:

@@ -186,7 +186,7 @@ def test_config_checks():
 def test_a_training_that_would_learn_nothing_or_leave_a_part_out_is_refused(tmp_path, capsys, monkeypatch):
     """Issue 40, item 5 and a rough edge: every loss weight 0 trained (loss_rec 0 forever); a discriminator
     that starts after the last step and attention at a resolution the VQGAN does not have were silent."""
-    from ddcl_vq.tokenizer.train_cli import main as train_main
+    from ddcl_vq.tokenizer.train import main as train_main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     run = tmp_path / "run"
@@ -220,7 +220,7 @@ def test_a_training_that_would_learn_nothing_or_leave_a_part_out_is_refused(tmp_
     saved.write_text(dump_config(load_config(None, TINY + ["loss.disc_weight=0.8", "loss.disc_start=3",
                                                           "train.steps=4"])).replace(
         "disc_start: 3", "disc_start: 9"))
-    assert load_config(saved, migrate=True).loss.disc_start == 9
+    assert load_config(saved, saved=True).loss.disc_start == 9
     with pytest.raises(ConfigError, match="loss.disc_start"):
         load_config(saved)
 
@@ -263,7 +263,7 @@ def test_four_step_vqgan_training_resumes_to_identical_weights(tmp_path):
 
 def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
     from ddcl_vq.tokenizer import export as export_cmd
-    from ddcl_vq.tokenizer.export_diffusers import DECODE_ATOL
+    from ddcl_vq.tokenizer.export import DECODE_ATOL
     from ddcl_vq.tokenizer.evaluate import load_run
     from ddcl_vq.tokenizer.train import train
 
@@ -312,7 +312,7 @@ def test_diffusers_export_loads_without_ddcl_vq(tmp_path):
 
 def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
     from ddcl_vq.tokenizer.export import ExportError
-    from ddcl_vq.tokenizer.export_diffusers import export_diffusers
+    from ddcl_vq.tokenizer.export import export_diffusers
     from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
@@ -323,28 +323,33 @@ def test_diffusers_export_refuses_a_vqvae_run(tmp_path):
         export_diffusers(run, tmp_path / "hf")
 
 
-def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_code(tmp_path, capsys):
+@pytest.mark.parametrize("qtype, settings, why", [
+    ("fsq", ["quantizer.num_codes=256"], "it rounds a projection of the feature to a grid"),
+    ("ibq", ["quantizer.logits=dot"], "quantizer.logits=dot: it takes the row of largest dot product")])
+def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_code(qtype, settings, why, tmp_path,
+                                                                                    capsys):
     """Issue 40, item 1: an FSQ VQGAN exported to diffusers was another model (its nearest-code search agreed
-    on 5% of codes) and the command exited 0; now refused up front, nothing written."""
+    on 5% of codes) and the command exited 0; now refused up front, nothing written. Issue 51: the reason is what is
+    true of the quantizer (IBQ's dot-product logits are no rounded projection)."""
     from ddcl_vq.tokenizer import export as export_cmd
     from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
-    train(load_config(None, TINY + ["quantizer.type=fsq", "quantizer.num_codes=256", "train.steps=1",
-                                    f"run.dir={run}"]), quiet=True)
+    train(load_config(None, TINY + [f"quantizer.type={qtype}", *settings, "train.steps=1", f"run.dir={run}"]),
+          quiet=True)
     capsys.readouterr()
     out = tmp_path / "hf"
     assert export_cmd.main([str(run), str(out), "--format", "diffusers"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ddcl-vq export: error: ") and "nearest codebook row" in err[0], err
-    assert "fsq" in err[0] and "--format ddcl-vq" in err[0]
+    assert f"the {qtype} quantizer's index is not ({why}" in err[0] and "--format ddcl-vq" in err[0], err
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["run"]  # no staging folder left
 
 
 def test_diffusers_export_fails_on_disagreements_that_are_not_ties():
     """Issue 40, item 1: the agreement check counts every position where diffusers' nearest-code search picks
     another code than the run, unless both codes are at the same distance (a tie up to float32 rounding)."""
-    from ddcl_vq.tokenizer.export_diffusers import untied_disagreements
+    from ddcl_vq.tokenizer.export import untied_disagreements
 
     codebook = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     z = torch.tensor([[1.0, 0.0], [0.1, 0.0], [0.0, 2.9]])  # a tie between codes 0 and 1, then codes 0 and 2
@@ -473,7 +478,7 @@ def test_vqgan_study_is_the_photos64_recipe_with_each_quantizer():
     for ddcl_mse, the loss) changed, so the study measures the recipe the docs describe."""
     from pathlib import Path
 
-    from ddcl_vq.studies.config import load_study
+    from ddcl_vq.studies.study import load_study
 
     root = Path(__file__).resolve().parents[1]
     study = load_study(root / "configs" / "study_vqgan.yaml")

@@ -1,14 +1,16 @@
-"""Atomic checkpoints: write to a temporary file, fsync, rename; load with weights_only=True."""
+"""Atomic files (checkpoints and every file a command writes: a hidden file, fsync, rename) and checkpoints loaded
+with weights_only=True."""
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import pickle
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,17 +47,74 @@ def _write_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:200]}"
 
 
+def umask() -> int:
+    """The process's file-creation mask (read without changing it for good)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any], *, exclusive: bool = False, shared: bool = False) -> None:
+    """``write(tmp)`` into a hidden file beside ``path``, synced, then renamed to ``path``: a crash leaves ``path`` as
+    it was. ``exclusive``: FileExistsError when ``path`` exists by then; ``shared``: mode 0666 & ~umask."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        if shared:
+            os.chmod(tmp, 0o666 & ~umask())
+        if not exclusive:
+            os.replace(tmp, path)
+        elif os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+        else:
+            try:
+                os.link(tmp, path)  # fails when another process created path since: no silent overwrite
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                os.replace(tmp, path)  # a file system without hard links: the check above is all there is
+    except OSError as err:
+        if err.filename in (str(tmp), None):
+            raise type(err)(err.errno, err.strerror or str(err), str(path)) from None
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def write_file(path: Path, write: Callable[[Path], Any], error: type = UserError, *, exclusive: bool = False,
+               shared: bool = False) -> Path:
+    """:func:`atomic_write` into ``path``, its folder made first; a failure is one ``error`` that names ``path``."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, write, exclusive=exclusive, shared=shared)
+    except OSError as err:
+        if exclusive and isinstance(err, FileExistsError) and err.filename == str(path):
+            raise error(f"{str(path)!r} was written by another command meanwhile; pass --overwrite to replace "
+                        "it") from None
+        kept = "the earlier file is unchanged" if path.exists() else "nothing was written there"
+        raise error(f"could not write {str(path)!r} ({err.strerror or err}); {kept}") from None
+    return path
+
+
+def write_json(path: Path, obj: Any, error: type = UserError) -> Path:
+    """``obj`` as indented JSON in ``path``, by :func:`write_file`."""
+    return write_file(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"), error)
+
+
 def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
     """Write ``state`` to ``path`` atomically: a crash mid-write leaves the old file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+        atomic_write(path, write)
     except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
         if _os_cause(err) is None and "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
             raise  # not a failed write (the OS refusing: a full disk, a file-size limit): a bug, keep its traceback
@@ -63,22 +122,22 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
         raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {_write_failure(err)}; {kept}. Free "
                                    "disk space (or raise the file-size limit) and run the same command again: it "
                                    "resumes from the last checkpoint") from err
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
     """Load a checkpoint with ``weights_only=True``; unreadable files raise CheckpointError."""
     path = Path(path)
     if not path.exists():
+        if path.is_symlink():  # a loop, or a link to a file that is gone
+            reason = "a loop of links" if _loops(path) else f"its target {os.readlink(path)!r} does not exist"
+            raise CheckpointError(f"checkpoint {str(path)!r} is a symbolic link that leads to no file ({reason}); "
+                                  "replace it with a checkpoint file")
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
         if isinstance(err, pickle.UnpicklingError) and "weights only load failed" in str(err).lower():
-            # a pickle that asks for Python objects beyond tensors and plain containers (a class, a function
-            # such as os.system): refused before anything in it ran. Never suggest loading it in full.
+            # a pickle that asks for Python objects: refused before anything in it ran (never suggest a full load)
             raise CheckpointError(f"checkpoint {str(path)!r} is not a plain checkpoint of tensors: it asks to load "
                                   f"Python objects ({_refused_object(err)}), which loading only weights refuses; it "
                                   "may be malicious and was not loaded (nothing in it ran). Delete it, or replace it "
@@ -89,6 +148,14 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Dic
         raise CheckpointError(f"checkpoint {str(path)!r}: expected a ddcl-vq training checkpoint "
                               f"(a dict with 'model' and 'step'), got {type(state).__name__}")
     return state
+
+
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
 
 
 def _reason(err: BaseException) -> str:
@@ -107,8 +174,7 @@ def _refused_object(err: BaseException) -> str:
 
 
 def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model") -> None:
-    """``target.load_state_dict(state)`` (a model, optimizer or scheduler); a checkpoint that does
-    not fit what the config built (another K, D, quantizer type, ...) is a CheckpointError."""
+    """``target.load_state_dict(state)``; a checkpoint that does not fit what the config built is a CheckpointError."""
     try:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -124,8 +190,7 @@ def load_into(target: Any, state: Dict[str, Any], path: Path, what: str = "model
 
 
 def _image_channels(target: Any, state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
-    """(the checkpoint's, the model's) image channels when that is how they differ: the model's first
-    convolution (its encoder's input) has another number of input channels and the same other sizes."""
+    """(the checkpoint's, the model's) image channels when only the first convolution's input channels differ."""
     if not isinstance(target, torch.nn.Module):
         return None
     own = target.state_dict()
@@ -149,23 +214,24 @@ def prune_periodic(ckpt_dir: Path, keep: int = KEEP_PERIODIC) -> None:
 
 
 def latest_checkpoint(ckpt_dir: Path, map_location="cpu") -> Optional[Tuple[Dict[str, Any], Path]]:
-    """The newest readable checkpoint in ``ckpt_dir`` (last.pt, else periodic ones), or None when there is none. An
-    unreadable file is reported on stderr and skipped; when every file is unreadable, CheckpointError names them."""
+    """The newest readable checkpoint in ``ckpt_dir`` (state, path), or None; unreadable files are skipped with a
+    warning (CheckpointError when all are)."""
     ckpt_dir = Path(ckpt_dir)
-    candidates = [p for p in [ckpt_dir / "last.pt"] if p.exists()] + periodic_checkpoints(ckpt_dir)
+    candidates = [p for p in [ckpt_dir / "last.pt"] if os.path.lexists(p)] + periodic_checkpoints(ckpt_dir)
     if not candidates:
         return None
     loaded, errors = [], []
     for path in candidates:
-        if not path.exists():  # removed since it was listed: a running training pruned (or replaced) it
+        if not os.path.lexists(path):  # removed since it was listed: a running training pruned (or replaced) it
             continue
         try:
             loaded.append((load_checkpoint(path, map_location), path))
         except CheckpointError as err:
-            if not path.exists():  # removed while it was being read: the same, quietly
+            if not os.path.lexists(path):  # removed while it was being read: the same, quietly
                 continue
             errors.append(str(err))
-            print(f"warning: {err}; trying an older checkpoint", file=sys.stderr)
     if not loaded:
         raise CheckpointError("no readable checkpoint in " + str(ckpt_dir) + ": " + "; ".join(errors))
+    for err in errors:
+        print(f"warning: {err}; trying an older checkpoint", file=sys.stderr)
     return max(loaded, key=lambda item: item[0]["step"])

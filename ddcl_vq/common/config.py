@@ -1,19 +1,9 @@
 """Settings: one way to read, declare and validate what every command is told.
 
-- **YAML, bounded**: config files and override values are read with limits (:data:`MAX_BYTES` of text,
-  :data:`MAX_DEPTH` levels of nesting checked on the parser's events, :data:`MAX_VALUES` values with every
-  alias expanded, no recursive alias, no key twice in one mapping), so a hostile or broken file fails at once
-  with one line instead of taking minutes and gigabytes; errors never print the document's values; safe
-  loading only.
-- **Typed settings**: dataclass fields (name, type, default) filled from YAML mappings and ``dotted.key=value``
-  overrides (the training config, :mod:`ddcl_vq.tokenizer.config`; the prior's; the study file) or from
-  command-line options (each command's options dataclass, read by :class:`Options`); either way checked by the
-  same code: an unknown key names the nearest valid one; a value of the wrong type names the key, what was
-  expected and what came; :class:`Rules` (choices, > 0, >= 0, keyed by dotted name) are checked after every
-  value is in.
-
-Every error is a :class:`ConfigError`, a :class:`~ddcl_vq.common.errors.UserError`, which the commands print as one
-line.
+YAML is read bounded (:data:`MAX_BYTES`, :data:`MAX_DEPTH`, :data:`MAX_VALUES`, no recursive alias, no key twice).
+Typed settings are dataclass fields filled from YAML mappings and ``dotted.key=value`` overrides or from command-line
+options (:class:`Options`): an unknown key names the nearest valid one, a wrong value what was expected and what came.
+Every error is a :class:`ConfigError`.
 """
 from __future__ import annotations
 
@@ -40,6 +30,10 @@ def config_key(key: str) -> str:
     return f"config key {key!r}"
 
 
+#: the seeds torch.manual_seed accepts (a negative seed is the same seed as seed + 2**64)
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+
+
 @dataclass(frozen=True)
 class Rules:
     """Constraints beyond the type, keyed by dotted setting name (list values: every element)."""
@@ -47,6 +41,7 @@ class Rules:
     choices: Mapping[str, Sequence[Any]] = field(default_factory=dict)
     positive: AbstractSet[str] = frozenset()       # > 0
     non_negative: AbstractSet[str] = frozenset()   # >= 0
+    seeds: AbstractSet[str] = frozenset()          # within SEED_RANGE (what torch.manual_seed takes)
 
 
 # ----------------------------------------------------------------------------- keys
@@ -65,19 +60,8 @@ def keys_of(obj: Any, prefix: str = "") -> List[str]:
     return [key for key, _ in leaves(obj, prefix)]
 
 
-def nearest(key: str, candidates: Sequence[str]) -> str:
-    """The valid key closest to ``key``: one with the same last part if that part is close, else
-    the closest whole key (so a key in the wrong section points to the right one)."""
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
-    leaf = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in candidates], n=1, cutoff=0.6)
-    if leaf:
-        match = [k for k in candidates if k == leaf[0] or k.endswith("." + leaf[0])][:1] or match
-    return match[0] if match else "?"
-
-
 def close_key(key: str, candidates: Sequence[str]) -> Optional[str]:
-    """A valid key close enough to ``key`` to be what was meant, or None: one whose last part is close to ``key``'s last
-    part (in ``key``'s section first: a key in the wrong section points to the right one), else one close as a whole."""
+    """A valid key close enough to ``key`` to be what was meant (by its last part, in its section first), or None."""
     leaf = key.split(".")[-1]
     close = difflib.get_close_matches(leaf, sorted({k.split(".")[-1] for k in candidates}), n=1, cutoff=0.6)
     if close:
@@ -112,8 +96,7 @@ _EXACT_INT = 2 ** 53
 
 
 def _whole(value: Any) -> Optional[int]:
-    """The int a float, or float text such as '1e3' (what YAML 1.1 reads as a string), stands for when it is
-    a whole number a float holds exactly; None otherwise."""
+    """The int a float, or float text such as '1e3', stands for when it is a whole number held exactly; else None."""
     if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
         value = float(value)
     return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT else None
@@ -218,13 +201,18 @@ def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> No
             raise ConfigError(f"{name(key)}: expected a value > 0, got {value!r}")
         if key in rules.non_negative and not all(v >= 0 for v in items):
             raise ConfigError(f"{name(key)}: expected a value >= 0, got {value!r}")
+        if key in rules.seeds and not all(SEED_RANGE[0] <= v <= SEED_RANGE[1] for v in items):
+            raise ConfigError(f"{name(key)}: expected a seed torch accepts, an integer from -2**63 to 2**64 - 1, "
+                              f"got {value!r}")
 
 
 def check_finite(obj: Any, name: Callable[[str], str] = config_key) -> None:
-    """ConfigError for a float leaf of ``obj`` that is inf or nan (never a setting)."""
+    """ConfigError for a float leaf (or list element) of ``obj`` that is inf or nan (never a setting)."""
     for key, value in leaves(obj):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{name(key)}: expected a finite number, got {value!r}")
+        bad = [v for v in (value if isinstance(value, list) else [value])
+               if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise ConfigError(f"{name(key)}: expected a finite number, got {bad[0]!r}")
 
 
 def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Callable[[str], str] = config_key):
@@ -239,13 +227,9 @@ def build(cls: type, raw: Mapping[str, Any], rules: Rules = Rules(), name: Calla
 def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, flag: Optional[str] = None,
            metavar: Optional[str] = None, nargs: Any = None, sep: Optional[str] = None, positional: bool = False,
            hidden: bool = False, default_text: Optional[str] = None) -> Any:
-    """A field of a command's options dataclass.
-
-    ``flag``: the option string (default ``--`` + the name with ``-`` for ``_``); ``positional``: an argument without a
-    flag; ``nargs``: as argparse; ``sep``: a list given as one value split at ``sep`` (``--arms mean,ddcl``);
-    ``default_text``: how --help states the default when the value alone would not say it; ``hidden``: left out of
-    --help. A bool field is a switch. A field without a default is a required option.
-    """
+    """A field of a command's options dataclass (a bool is a switch, a field without a default a required option).
+    ``flag``: default ``--`` + the name with ``-`` for ``_``; ``sep``: a list given as one value split at ``sep``;
+    ``default_text``: how --help states the default; ``hidden``: left out of --help."""
     meta = dict(help=help, flag=flag, metavar=metavar, nargs=nargs, sep=sep, positional=positional, hidden=hidden,
                 default_text=default_text)
     return field(default=default, default_factory=default_factory, metadata={"option": meta})
@@ -256,11 +240,8 @@ def _fmt(value: Any, sep: Optional[str] = None) -> str:
 
 
 class Options:
-    """A command's options: ``cls`` is a dataclass whose fields are declared with :func:`option`.
-
-    ``presets``: ``{switch: {field: value}}`` — values a switch (e.g. ``quick``) sets unless the
-    same option is given explicitly. ``parse(argv)`` returns a validated ``cls`` instance.
-    """
+    """A command's options: ``cls`` is a dataclass of :func:`option` fields; ``presets``: ``{switch: {field: value}}``,
+    what a switch (``--quick``) sets unless given explicitly. ``parse(argv)`` -> a validated ``cls`` instance."""
 
     def __init__(self, cls: type, *, prog: str, description: str = "", epilog: Optional[str] = None,
                  rules: Rules = Rules(), presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
@@ -368,11 +349,7 @@ class Options:
     def make(self, **values: Any) -> Any:
         """A validated ``cls`` instance from typed values (what ``parse`` does after reading argv)."""
         obj = self.cls(**{k: coerce(k, v, self.hints[k], self.label) for k, v in values.items()})
-        for name in values:  # inf or nan is never a setting (--temperature inf); "no limit" options use 0 or None
-            items = getattr(obj, name) if isinstance(getattr(obj, name), list) else [getattr(obj, name)]
-            bad = [v for v in items if isinstance(v, float) and not math.isfinite(v)]
-            if bad:
-                raise ConfigError(f"{self.label(name)}: expected a finite number, got {bad[0]!r}")
+        check_finite(obj, self.label)  # "no limit" options use 0 or None
         check(obj, self.rules, self.label)
         return obj
 
@@ -397,8 +374,8 @@ def _check_events(text: str, what: str) -> None:
 
 
 def _expanded_size(root: yaml.Node, what: str) -> int:
-    """How many values the document holds with every alias expanded (shared nodes counted each
-    time they are used); ConfigError for a recursive alias or more than MAX_VALUES values."""
+    """How many values the document holds with every alias expanded; ConfigError for a recursive alias, more than
+    MAX_VALUES values, or a mapping with the same key twice."""
     sizes: Dict[int, int] = {}
     open_nodes = set()
 
@@ -410,6 +387,8 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
             raise ConfigError(f"{what} has a recursive alias (line {node.start_mark.line + 1}: a mapping or list "
                               "that contains itself)")
         open_nodes.add(key)
+        if isinstance(node, yaml.MappingNode):
+            _check_keys(node, what)
         total = 1
         children = (node.value if isinstance(node, yaml.SequenceNode) else
                     [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else [])
@@ -425,28 +404,15 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
     return size(root)
 
 
-def _check_duplicate_keys(root: yaml.Node, what: str) -> None:
-    """ConfigError for a mapping that has the same (scalar) key twice."""
-    seen_nodes = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen_nodes:
-            continue
-        seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: Dict[tuple, int] = {}
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                    ident = (key.tag, key.value)
-                    if ident in keys:
-                        raise ConfigError(f"{what} has the key {key.value!r} twice in one mapping (lines "
-                                          f"{keys[ident]} and {key.start_mark.line + 1}); YAML would keep the "
-                                          "last one without a word: remove one")
-                    keys[ident] = key.start_mark.line + 1
-                stack += [key, value]
-        elif isinstance(node, yaml.SequenceNode):
-            stack += node.value
+def _check_keys(node: yaml.MappingNode, what: str) -> None:
+    keys: Dict[tuple, int] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+            if (key.tag, key.value) in keys:
+                raise ConfigError(f"{what} has the key {key.value!r} twice in one mapping (lines "
+                                  f"{keys[key.tag, key.value]} and {key.start_mark.line + 1}); YAML would keep the "
+                                  "last one without a word: remove one")
+            keys[key.tag, key.value] = key.start_mark.line + 1
 
 
 def load_yaml_text(text: str, what: str) -> Any:
@@ -461,7 +427,6 @@ def load_yaml_text(text: str, what: str) -> Any:
         if node is None:
             return None
         _expanded_size(node, what)
-        _check_duplicate_keys(node, what)
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -528,7 +493,8 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], keys: Sequenc
         key, value = parse_override(text)
         parts = key.split(".")
         if key not in valid and ".".join(parts[:-1]) not in open_sections:
-            raise (unknown or (lambda k: ConfigError(f"unknown {config_key(k)}; {did_you_mean(k, sorted(valid))}")))(key)
+            hint = did_you_mean(key, sorted(valid))
+            raise unknown(key) if unknown else ConfigError(f"unknown {config_key(key)}; {hint}")
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})

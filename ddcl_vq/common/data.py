@@ -1,15 +1,17 @@
-"""Datasets: Fashion-MNIST (default), MNIST, CIFAR-10, any image folder, natural patches, digits.
+"""Datasets: Fashion-MNIST (default), MNIST, CIFAR-10, any image folder, natural patches, digits; the batches a
+training and an evaluation read.
 
-Every dataset yields (image, label) with image a float tensor in [0, 1] of shape
-(C, S, S); labels are -1 where a dataset has none. Train and test splits never share
-images (natural patches: different photographs, chosen by data.train_photos / data.test_photos).
+Every dataset yields (image, label) with image a float tensor in [0, 1] of shape (C, S, S); labels are -1 where a
+dataset has none. Every random draw has its own generator seeded from the run's seed, so a resumed run, or one with
+more DataLoader workers, reads exactly the batches a straight run reads.
 """
 from __future__ import annotations
 
 import gzip
+import math
 import os
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,12 +19,21 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ddcl_vq.common.errors import one_line
 from ddcl_vq.common.config import ConfigError
-from ddcl_vq.common.dataerrors import CHECK_HINT, DataUnavailable, UnreadableImage, three_channels as _three_channels
+from ddcl_vq.common.errors import CHECK_HINT, DataUnavailable, UnreadableImage, one_line
 
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
+
+
+def generator(seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` modulo 2**64 (as torch does with a negative seed), so derived seeds work."""
+    return torch.Generator().manual_seed(seed % 2 ** 64)
+
+
+def three_channels(x: Tensor) -> Tensor:
+    """A (1, H, W) grey image (a high-bit-depth file, loaded as one float channel) as (3, H, W)."""
+    return x.expand(3, -1, -1).contiguous() if x.shape[0] == 1 else x
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -42,12 +53,8 @@ def _read_idx(path: Path) -> np.ndarray:
 
 def fashion_mnist_arrays(split: str, root: str | os.PathLike = "data", download: bool = True
                          ) -> Tuple[np.ndarray, np.ndarray]:
-    """Fashion-MNIST as uint8 images (N, 28, 28) and int64 labels (N,).
-
-    Looks in order: $DDCL_VQ_FASHION_DIR, the Debian package's files under
-    /usr/share/datasets/fashion-mnist/, torchvision's copy under ``root`` (downloading it
-    when ``download``). When none works, one DataUnavailable error names both ways.
-    """
+    """Fashion-MNIST as uint8 images (N, 28, 28) and int64 labels (N,), from $DDCL_VQ_FASHION_DIR, the Debian
+    package's files, or torchvision's copy under ``root`` (downloaded when ``download``)."""
     if split not in SPLITS:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
     prefix = "train" if split == "train" else "t10k"
@@ -61,7 +68,7 @@ def fashion_mnist_arrays(split: str, root: str | os.PathLike = "data", download:
         ds = FashionMNIST(str(root), train=split == "train", download=download)
         return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
     except Exception as err:  # noqa: BLE001 - any failure means: not available here
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = one_line(err)
         tried = (f"let torchvision download it into {Path(root) / 'FashionMNIST'} (needs internet; failed: {reason})"
                  if download else
                  f"put torchvision's copy in {Path(root) / 'FashionMNIST'} (not there: {reason}), or let torchvision "
@@ -88,18 +95,15 @@ class TensorImageDataset(Dataset):
         return self.images.shape[0]
 
     def __getitem__(self, i):
-        """One image and label for an int ``i``; a whole batch (B, C, S, S), (B,) for a list of indices
-        (one indexing op: what :func:`make_loader` asks of an in-memory dataset)."""
+        """One image and label for an int ``i``; a batch (B, C, S, S), (B,) for a list of indices."""
         return self.images[i].float().div_(255.0), self.labels[i]
 
 
-# Photographs that scikit-image ships in its wheel (load offline). Test photographs are
-# different pictures from training ones, so patches never leak across the split.
+# Photographs that scikit-image ships in its wheel (load offline)
 NATURAL_TRAIN_PHOTOS = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 NATURAL_TEST_PHOTOS = ("chelsea", "stereo_motorcycle")
-#: every photograph data.train_photos / data.test_photos may name: those scikit-image's wheel ships
-#: (they load offline; its loaders that download, e.g. brain or eagle, are left out), colour ones, then
-#: grey ones (served as three equal channels). ``cat`` is left out: it is the same picture as ``chelsea``.
+#: every photograph data.train_photos / data.test_photos may name: colour ones, then grey ones (served as three
+#: equal channels); ``cat`` is left out: it is ``chelsea``
 COLOUR_PHOTOS = ("astronaut", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina", "rocket",
                  "stereo_motorcycle")
 GREY_PHOTOS = ("brick", "camera", "cell", "clock", "coins", "grass", "gravel", "moon", "page", "text")
@@ -107,8 +111,7 @@ PHOTOGRAPHS = COLOUR_PHOTOS + GREY_PHOTOS
 
 
 def check_photos(train_photos: Sequence[str], test_photos: Sequence[str]) -> None:
-    """ConfigError unless both lists are non-empty, name only :data:`PHOTOGRAPHS`, each once, and
-    share no photograph (a photograph in both would leak its patches from training into the test)."""
+    """ConfigError unless both lists are non-empty, name only :data:`PHOTOGRAPHS`, each once, and share none."""
     for key, names in (("data.train_photos", train_photos), ("data.test_photos", test_photos)):
         if not names:
             raise ConfigError(f"config key {key!r}: expected at least one photograph, got []")
@@ -133,7 +136,7 @@ def natural_patches(split: str, size: int, per_image: int, seed: int = 0,
     import skimage.data
     check_photos(train_photos, test_photos)
     names = train_photos if split == "train" else test_photos
-    gen = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
+    gen = generator(seed + (0 if split == "train" else 1))
     patches = []
     for name in names:
         img = getattr(skimage.data, name)()
@@ -158,7 +161,7 @@ def _torchvision_dataset(name: str, split: str, root: str, download: bool, image
     try:
         ds = cls(root, train=split == "train", download=download)
     except Exception as err:  # noqa: BLE001
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = one_line(err)
         if download:
             raise DataUnavailable(f"{name}: not found under {root!r} and torchvision could not download it "
                                   f"({reason}); put the files there or run with internet") from None
@@ -181,12 +184,8 @@ _MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def open_image(path: str):
-    """An image file as a PIL image that torchvision's transforms turn into [0, 1] values faithfully: 8-bit images (and
-    any mode Pillow converts without loss of scale) as ``RGB``, as torchvision's default loader does; high-bit-depth
-    grey images as a float image (mode ``F``) in [0, 1]: 16-bit (``I;16``) divided by 65535, 32-bit integers (``I``)
-    likewise when they lie in 0..65535 (a 16-bit image in a 32-bit container), float images (``F``) when they lie in [0,
-    1]. Anything else (``I`` beyond 16 bits, floats outside [0, 1], signed 16-bit) is an :class:`UnfaithfulImage`:
-    converting it means guessing its scale (Pillow's RGB conversion clips such images to white)."""
+    """An image file as a PIL image that torchvision's transforms turn into [0, 1] faithfully: 8-bit images as ``RGB``;
+    16-bit grey (÷ 65535) and float within [0, 1] as mode ``F``. Anything else is an :class:`UnfaithfulImage`."""
     from PIL import Image
     with open(path, "rb") as f:
         img = Image.open(f)
@@ -213,13 +212,12 @@ def open_image(path: str):
 
 
 class ImageFiles(Dataset):
-    """torchvision's ImageFolder (``folder/<class>/<image>``) whose read errors name the file;
-    images are read by :func:`open_image` (16-bit images keep their scale)."""
+    """torchvision's ImageFolder (``folder/<class>/<image>``, :func:`open_image`) whose read errors name the file."""
 
     def __init__(self, folder: Path, image_size: int):
         from torchvision import datasets, transforms
         tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                                 transforms.ToTensor(), _three_channels])
+                                 transforms.ToTensor(), three_channels])
         try:
             self.folder = datasets.ImageFolder(str(folder), transform=tf, loader=open_image)
         except (FileNotFoundError, NotADirectoryError) as err:  # no class folder, or an empty one
@@ -238,8 +236,7 @@ class ImageFiles(Dataset):
                                   f"{one_line(err)}); replace or remove it ({CHECK_HINT})") from None
 
     def unreadable(self) -> list[tuple[str, str]]:
-        """(path, reason) for every file that cannot be decoded or converted to [0, 1] faithfully
-        (each one is read in full)."""
+        """(path, reason) for every file that cannot be decoded or converted to [0, 1] faithfully (read in full)."""
         bad = []
         for path, _ in self.samples:
             try:
@@ -262,10 +259,10 @@ def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
 
 def _build(data_cfg, split: str, seed: int) -> Dataset:
     name = data_cfg.name
+    if name in ("fashion_mnist", "digits") and data_cfg.image_size < 28:
+        raise ConfigError(f"config key 'data.image_size': {name} images are 28x28 and are padded, not shrunk; "
+                          f"expected a size >= 28, got {data_cfg.image_size}")
     if name == "fashion_mnist":
-        if data_cfg.image_size < 28:
-            raise ConfigError(f"config key 'data.image_size': fashion_mnist images are 28x28 and are padded, not "
-                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
         images, labels = fashion_mnist_arrays(split, data_cfg.root, data_cfg.download)
         return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
                                   data_cfg.image_size)
@@ -278,17 +275,13 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
                                   f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
         folder = ImageFiles(folder, data_cfg.image_size)
         if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
-            from ddcl_vq.common.augment import CropFlip  # seeded random-resized crop + flip (the test split: centre crop)
-            return CropFlip(folder, data_cfg.image_size, seed)
+            return CropFlip(folder, data_cfg.image_size, seed)  # the test split: the centre crop
         return folder
     if name == "natural_patches":
         return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
                                getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
                                getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
     if name == "digits":
-        if data_cfg.image_size < 28:
-            raise ConfigError(f"config key 'data.image_size': digits are upsampled to 28x28 and padded, not "
-                              f"shrunk; expected a size >= 28, got {data_cfg.image_size}")
         images, labels = digits_arrays(split)
         return TensorImageDataset(torch.from_numpy(images)[:, None], torch.from_numpy(labels), data_cfg.image_size)
     raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, digits, "
@@ -299,39 +292,19 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
 DIGITS_TRAIN = 1297
 
 
-def _digits_file() -> Optional[Path]:
-    """scikit-learn's copy of the UCI digits (sklearn/datasets/data/digits.csv.gz), found without
-    importing scikit-learn (slow); None when it is not installed or keeps the file elsewhere."""
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("sklearn")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
-    return path if path.is_file() else None
-
-
 def digits_arrays(split: str) -> Tuple[np.ndarray, np.ndarray]:
-    """The UCI handwritten digits that scikit-learn ships in its wheel (offline; ``load_digits``:
-    1,797 images 8x8, 17 grey levels 0..16, white ink on black like MNIST) as uint8 images
-    (N, 28, 28), upsampled bilinearly (values x 255/16, rounded), and int64 labels (N,). Train: the
-    first 1,297 images; test: the last 500. Needs scikit-learn (``pip install scikit-learn``)."""
+    """The UCI handwritten digits in scikit-learn's wheel (8x8, 0..16) as uint8 images (N, 28, 28), upsampled
+    bilinearly, and int64 labels (N,): train the first 1,297, test the last 500."""
+    import importlib.util
     if split not in SPLITS:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
-    path = _digits_file()
-    if path is not None:
-        table = np.loadtxt(path, delimiter=",")
-        pixels, labels = table[:, :-1].reshape(-1, 8, 8), table[:, -1]
-    else:
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError:
-            raise DataUnavailable("digits: the UCI handwritten digits ship inside scikit-learn's wheel, which is not "
-                                  "installed; pip install scikit-learn") from None
-        found = load_digits()
-        pixels, labels = found.images, found.target
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise DataUnavailable("digits: the UCI handwritten digits ship inside scikit-learn's wheel, which is not "
+                              "installed; pip install scikit-learn")
+    table = np.loadtxt(path, delimiter=",")
+    pixels, labels = table[:, :-1].reshape(-1, 8, 8), table[:, -1]
     part = slice(0, DIGITS_TRAIN) if split == "train" else slice(DIGITS_TRAIN, None)
     x = torch.from_numpy(np.ascontiguousarray(pixels[part], dtype=np.float32))[:, None] / 16.0
     x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
@@ -340,12 +313,11 @@ def digits_arrays(split: str) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def check_data(data_cfg, seed: int = 0) -> tuple[list[str], list[tuple[str, str]]]:
-    """Read every image of both splits (an image folder: each file decoded in full).
-    -> (one line per split saying how many images, (path, reason) for every unreadable file)."""
+    """Read every image of both splits -> (one line per split, (path, reason) for every unreadable file)."""
     report, bad = [], []
     for split in SPLITS:
         dataset = build_dataset(data_cfg, split, seed)
-        if isinstance(dataset, ImageFiles) or hasattr(dataset, "unreadable"):
+        if hasattr(dataset, "unreadable"):
             bad += dataset.unreadable()
         report.append(f"{data_cfg.name} {split}: {len(dataset)} images")
     return report, bad
@@ -356,12 +328,8 @@ def image_channels(data_cfg) -> int:
 
 
 class EpochBatches:
-    """Deterministic batches of dataset indices for one process.
-
-    Epoch e's order is randperm(n) from a generator seeded with (seed, e), cut into global batches of ``global_batch``
-    (the remainder is dropped); process r of w takes rows [r·b, (r+1)·b) of each global batch, b = global_batch / w.
-    ``start_step`` skips ahead without touching data, so a resumed run sees exactly the batches a straight run would.
-    """
+    """Deterministic batches of dataset indices for process ``rank`` of ``world``: epoch e's order is randperm(n)
+    seeded with (seed, e), cut into global batches; ``start_step`` skips ahead without touching data."""
 
     def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
         if global_batch % world:
@@ -378,7 +346,7 @@ class EpochBatches:
         local = self.global_batch // self.world
         while True:
             epoch, offset = divmod(self.step, self.per_epoch)
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+            order = torch.randperm(self.n, generator=generator(self.seed * 100003 + epoch))
             for b in range(offset, self.per_epoch):
                 batch = order[b * self.global_batch:(b + 1) * self.global_batch]
                 self.step += 1
@@ -387,17 +355,14 @@ class EpochBatches:
 
 # ----------------------------------------------------------------------------- loading batches
 def in_memory(dataset: Dataset) -> bool:
-    """True for a :class:`TensorImageDataset` (or a Subset of one): uint8 images in memory that a
-    list of indices gathers as one batch."""
+    """True for a :class:`TensorImageDataset` (or a Subset of one): a list of indices gathers a batch at once."""
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
     return isinstance(dataset, TensorImageDataset)
 
 
 def resolve_workers(data_cfg, dataset: Dataset) -> int:
-    """``data.num_workers``, or when it is null (auto): 0 for in-memory datasets (Fashion-MNIST, MNIST, CIFAR-10,
-    natural patches: a batch is one indexing op, workers would only add copies between processes), min(4, half the
-    cores, at least 1) for an image folder, where every image is a file to decode."""
+    """``data.num_workers``, or when null: 0 for in-memory datasets, min(4, half the cores) for an image folder."""
     if data_cfg.num_workers is not None:
         return int(data_cfg.num_workers)
     if in_memory(dataset):
@@ -408,15 +373,11 @@ def resolve_workers(data_cfg, dataset: Dataset) -> int:
 
 def make_loader(dataset: Dataset, batches: Iterable[List[int]], num_workers: int = 0,
                 device: torch.device | str = "cpu") -> DataLoader:
-    """A DataLoader of (images, labels) batches, one per index list of ``batches`` (in that order).
-
-    In-memory datasets are indexed with the whole list (one gather and one conversion per batch,
-    no per-image Python calls); others per image and collated. ``num_workers`` > 0 loads in worker
-    processes, which stay alive between passes; on CUDA batches come in pinned memory (copy them
-    with ``non_blocking=True``). The batches are the same with any number of workers."""
+    """A DataLoader of (images (B, C, S, S), labels (B,)) batches, one per index list of ``batches``, in order
+    (the same with any number of workers; pinned memory on CUDA)."""
     cuda = torch.device(device).type == "cuda"
     options = dict(num_workers=num_workers, pin_memory=cuda, persistent_workers=num_workers > 0)
-    if hasattr(dataset, "tag_batches"):  # ddcl_vq/common/augment.py: draws seeded by (epoch, index)
+    if hasattr(dataset, "tag_batches"):  # CropFlip: draws seeded by (epoch, index)
         batches = dataset.tag_batches(batches)
     if in_memory(dataset):
         return DataLoader(dataset, sampler=batches, batch_size=None, **options)
@@ -435,3 +396,81 @@ class SequentialBatches:
     def __iter__(self):
         for start in range(0, self.n, self.batch_size):
             yield list(range(start, min(start + self.batch_size, self.n)))
+
+
+# ----------------------------------------------------------------------------- augmentation
+#: ``data.augment: crop_flip``: RandomResizedCrop's area fraction and aspect ratio ranges
+SCALE, RATIO = (0.5, 1.0), (3 / 4, 4 / 3)
+
+
+def crop_params(width: int, height: int, g: torch.Generator, scale: Sequence[float] = SCALE,
+                ratio: Sequence[float] = RATIO) -> Tuple[int, int, int, int]:
+    """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws them, from ``g``."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * (scale[0] + (scale[1] - scale[0]) * float(torch.rand((), generator=g)))
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * float(torch.rand((), generator=g)))
+        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (), generator=g))
+            left = int(torch.randint(0, width - w + 1, (), generator=g))
+            return top, left, h, w
+    in_ratio = width / height  # fallback: the central crop, as torchvision
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class CropFlip(Dataset):
+    """An image folder (:class:`ImageFiles`) with a random-resized crop and a horizontal flip drawn from a generator
+    seeded by (run seed, epoch, image index); indexed with the ``(epoch, index)`` pairs of :meth:`tag_batches`."""
+
+    def __init__(self, base, image_size: int, seed: int = 0):
+        self.base, self.image_size, self.seed = base, image_size, seed
+        self.samples = base.samples
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key):
+        from torchvision.transforms import functional as TF
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        path, label = self.samples[i]
+        try:
+            image = self.base.folder.loader(path)
+            g = generator((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
+            top, left, h, w = crop_params(image.width, image.height, g)
+            image = TF.resized_crop(image, top, left, h, w, [self.image_size, self.image_size], antialias=True)
+            if float(torch.rand((), generator=g)) < 0.5:
+                image = TF.hflip(image)
+            return three_channels(TF.to_tensor(image)), label
+        except Exception as err:  # noqa: BLE001 - PIL raises several types for a bad file
+            raise UnreadableImage(f"image {path!r} cannot be read ({type(err).__name__}: {one_line(err)}); replace "
+                                  f"or remove it ({CHECK_HINT})") from None
+
+    def tag_batches(self, batches) -> Iterable[List[Tuple[int, int]]]:
+        """The loop's batches of indices (:class:`EpochBatches`) as (epoch, index) pairs."""
+        return _Tagged(batches)
+
+    def unreadable(self):
+        return self.base.unreadable()
+
+
+class _Tagged:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[List[Tuple[int, int]]]:
+        per_epoch = getattr(self.batches, "per_epoch", None)
+        for batch in self.batches:
+            # EpochBatches counts its step before yielding: the epoch of this batch
+            epoch = (self.batches.step - 1) // per_epoch if per_epoch else 0
+            yield [(epoch, i) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)

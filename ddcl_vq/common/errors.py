@@ -1,26 +1,27 @@
-"""The toolkit's one error base class, and what every command does with it.
+"""What every command prints: one-line errors and warnings, stops, and hints that work pasted in any folder.
 
-Errors a user can fix by changing what they asked for (a config key, an option, a missing dataset, an unreadable
-checkpoint, a run directory that cannot be evaluated, ...) derive from :class:`UserError`. Every command's ``main`` is
-wrapped in :func:`entry_point`, which turns a UserError — or an OSError or refused allocation from the machine (a full
-disk, a path that cannot be written, out of memory) — into one line, ``ddcl-vq CMD: error: <message>``, and exit status
-2; ``--debug`` (any command) shows the traceback instead. Anything else is a bug and keeps its traceback. The toolkit's
-own warnings are printed as one line, ``ddcl-vq CMD: warning: <message>``.
+:func:`entry_point` wraps every command's ``main``: a :class:`UserError`, an OSError or a refused allocation becomes
+one line, ``ddcl-vq CMD: error: <message>``, exit status 2 (``--debug``: the traceback); anything else keeps its
+traceback. SIGTERM and Ctrl-C end a command with one line and exit status 128 + the signal.
 """
 from __future__ import annotations
 
 import functools
+import os
+import shlex
+import signal
 import sys
+import threading
 import warnings
-from typing import Callable, List, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
 #: the option every command accepts: errors are raised with their traceback instead of one line
 DEBUG_FLAG = "--debug"
 
 
 def _worker_message(text: str) -> str:
-    """The original message of an exception that a DataLoader worker re-raised in the main
-    process ('Caught X in DataLoader worker process 0.\\nOriginal Traceback ...\\nmodule.X: msg')."""
+    """The original message of an exception that a DataLoader worker re-raised in the main process."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     last = lines[-1] if lines else text
     head, sep, tail = last.partition(": ")
@@ -37,16 +38,45 @@ class UserError(Exception):
 
 
 class Stopped(Exception):
-    """A training stopped by SIGTERM or SIGINT after saving a checkpoint (:mod:`ddcl_vq.common.skeleton`);
-    the message says where and how to resume; ``code`` = 128 + the signal, the exit status."""
+    """A command stopped by SIGTERM or SIGINT; the message says what was kept; ``code`` = 128 + the signal."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
 
 
+class SignalScope:
+    """Inside ``with``, SIGTERM and SIGINT go to ``self._handler`` (main thread only); the previous handlers after."""
+
+    previous: Dict[int, Any]
+
+    def __enter__(self):
+        self.previous = {}
+        try:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handler)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+
+
 class Diverged(UserError, FloatingPointError):
     """Training produced a loss or features that are not finite (NaN/Inf): the optimisation diverged."""
+
+
+class DataUnavailable(UserError, RuntimeError):
+    """A dataset could not be found or downloaded; the message names the ways to get it."""
+
+
+class UnreadableImage(DataUnavailable):
+    """An image file of an image folder cannot be read or decoded; the message names the file."""
+
+
+CHECK_HINT = "`ddcl-vq train --config CONFIG --check-data` lists every unreadable image"
 
 
 def one_line(err: BaseException) -> str:
@@ -60,15 +90,13 @@ def one_line(err: BaseException) -> str:
 
 
 def out_of_memory(err: BaseException) -> bool:
-    """An allocation the machine refused: MemoryError, torch.OutOfMemoryError (a GPU), or the CPU
-    allocator's RuntimeError ("can't allocate memory")."""
+    """An allocation the machine refused: MemoryError, torch.OutOfMemoryError, the CPU allocator's RuntimeError."""
     return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
             or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)))
 
 
 def _one_line_warnings(prog: str, formatwarning: Callable) -> Callable:
-    """A ``warnings.formatwarning`` that writes the toolkit's own warnings as one line, ``PROG: warning: ...``
-    (Python's form is two: the file and line, then the source line); other warnings as ``formatwarning`` does."""
+    """A ``warnings.formatwarning`` that writes the toolkit's own warnings as one line, ``PROG: warning: ...``."""
 
     def format_warning(message, category, filename, lineno, line=None):
         if "/ddcl_vq/" in str(filename).replace(chr(92), "/"):
@@ -77,9 +105,29 @@ def _one_line_warnings(prog: str, formatwarning: Callable) -> Callable:
     return format_warning
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    raise Stopped("stopped by SIGTERM", 128 + signum)
+
+
+def _failure(prog: str, err: BaseException, debug: bool) -> int:
+    """The one line for an error every command turns into exit status 2 (re-raised with ``debug`` or for a bug)."""
+    if debug:
+        raise err
+    if isinstance(err, UserError):
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    elif isinstance(err, OSError):  # the machine said no: a full disk, a path that cannot be written, ...
+        print(f"{prog}: error: {one_line(err)} ({type(err).__name__}; {DEBUG_FLAG} shows the traceback)",
+              file=sys.stderr)
+    elif out_of_memory(err):  # the machine had no memory left for what was asked
+        print(f"{prog}: error: out of memory ({one_line(err)}); ask for less (a smaller model, codebook or batch) "
+              f"or free memory ({DEBUG_FLAG} shows the traceback)", file=sys.stderr)
+    else:
+        raise err
+    return 2
+
+
 def entry_point(prog: str) -> Callable:
-    """Decorator for a command's ``main(argv) -> int``: UserError or OSError -> ``PROG: error: ...``
-    on stderr, exit status 2; ``--debug`` anywhere in argv: the traceback instead."""
+    """Decorator for a command's ``main(argv) -> int``, as the module docstring says."""
 
     def wrap(main: Callable[[Optional[List[str]]], int]) -> Callable[[Optional[List[str]]], int]:
         @functools.wraps(main)
@@ -89,30 +137,37 @@ def entry_point(prog: str) -> Callable:
             args = [a for a in args if a != DEBUG_FLAG]
             formatwarning = warnings.formatwarning
             warnings.formatwarning = _one_line_warnings(prog, formatwarning)
+            main_thread = threading.current_thread() is threading.main_thread()
+            sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm) if main_thread else None
             try:
                 return main(args if (debug or argv is not None) else None)
-            except Stopped as stop:  # not an error: the checkpoint is saved, the same command resumes
+            except KeyboardInterrupt:
+                print(f"{prog}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+                return 128 + signal.SIGINT
+            except Stopped as stop:  # not an error: what was kept is said, the same command goes on
                 print(f"{prog}: {stop}", file=sys.stderr)
                 return stop.code
-            except UserError as err:
-                if debug:
-                    raise
-                print(f"{prog}: error: {err}", file=sys.stderr)
-                return 2
-            except OSError as err:  # the machine said no: a full disk, a path that cannot be written, ...
-                if debug:
-                    raise
-                print(f"{prog}: error: {one_line(err)} ({type(err).__name__}; {DEBUG_FLAG} shows the traceback)",
-                      file=sys.stderr)
-                return 2
-            except (MemoryError, RuntimeError) as err:  # the machine had no memory left for what was asked
-                if debug or not out_of_memory(err):
-                    raise
-                print(f"{prog}: error: out of memory ({one_line(err)}); ask for less (a smaller model, codebook or "
-                      f"batch) or free memory ({DEBUG_FLAG} shows the traceback)", file=sys.stderr)
-                return 2
+            except (UserError, OSError, MemoryError, RuntimeError) as err:
+                return _failure(prog, err, debug)
             finally:
                 warnings.formatwarning = formatwarning
+                if main_thread:
+                    signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
         return run
 
     return wrap
+
+
+def tool(name: str) -> str:
+    """The console script ``name`` as a quoted absolute path when it sits next to the running Python, else ``name``."""
+    path = Path(sys.executable).parent / name
+    return shlex.quote(str(path.absolute())) if path.is_file() and os.access(path, os.X_OK) else name
+
+
+def where(path: str | os.PathLike) -> str:
+    """``path`` made absolute and quoted for a shell."""
+    return shlex.quote(str(Path(path).absolute()))
+
+
+def tensorboard_hint(logdir: str | os.PathLike) -> str:
+    return f"{tool('tensorboard')} --logdir {where(logdir)} --host 127.0.0.1"

@@ -1,5 +1,4 @@
-"""What machine a report was measured on: the one place every report (study, bench, readout
-study) takes its machine information from."""
+"""What machine a report was measured on (every report takes it from here)."""
 from __future__ import annotations
 
 import contextlib

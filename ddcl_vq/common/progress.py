@@ -1,18 +1,23 @@
-"""Progress that reads well in a terminal and in a log file.
-
-On a terminal (stderr is a TTY) a tqdm bar; elsewhere (a job's log file, a pipe, CI) one plain
-line every ``every`` updates and at the end, instead of tqdm's carriage-return redraws, e.g.::
-
-    fashion_ddcl: step 200/1000 (20%)  3.1 step/s  elapsed 1:04  eta 4:18  loss=0.0123 ppl=180 util=97%
-
-``DDCL_VQ_PROGRESS=bar`` or ``=lines`` forces one or the other.
-"""
+"""Progress as a tqdm bar in a terminal or plain lines in a log file (``DDCL_VQ_PROGRESS=bar`` or ``=lines`` forces
+one), and numbers as every report writes them (:func:`fmt`)."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
+
+_NO_SD = object()
+
+
+def fmt(value: Any, spec: str = "", sd: Any = _NO_SD) -> str:
+    """``format(value, spec)``; '—' for None, inf and nan as they are; with ``sd``: 'value ± sd' ('—' for an sd of
+    None), e.g. ``fmt(23.312, ".2f", sd=0.1)`` -> '23.31 ± 0.10'."""
+    if value is None:
+        return "—"
+    text = str(value) if isinstance(value, float) and not math.isfinite(value) else format(value, spec)
+    return text if sd is _NO_SD else f"{text} ± {fmt(sd, spec)}"
 
 
 def interactive(stream: Optional[TextIO] = None) -> bool:

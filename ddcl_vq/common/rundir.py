@@ -1,12 +1,5 @@
-"""The run directory: usable (a writable folder), one training at a time, resumed only as the same run.
-
-- :func:`writable_dir` checks a folder can be created and written before any expensive work (training, ``evaluate``,
-  ``compare``), so a bad path fails at once with one line.
-- :class:`RunLock` holds ``RUN_DIR/train.lock`` (an advisory ``flock`` on a file that names the holder's PID and host)
-  while a training runs: a second training in the same folder is refused, naming that PID; the kernel drops the lock
-  when its process ends, however it ends (kill -9 included), so a lock left by a process that is gone is taken over.
-(Which settings a run may change when it resumes is its config's rule: :func:`ddcl_vq.tokenizer.config.check_resume`.)
-"""
+"""The run directory: a writable folder, one training at a time (:class:`RunLock`, a ``flock`` on
+``RUN_DIR/train.lock`` naming the holder), the metrics a resumed run keeps, a failed start undone."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -19,21 +12,24 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from ddcl_vq.common.checkpoint import atomic_write
 from ddcl_vq.common.errors import UserError, one_line
 
 LOCK_NAME = "train.lock"
 
 
 class RunDirError(UserError, RuntimeError):
-    """A run directory cannot be used as asked: not a writable folder, in use by another training,
-    or holding a run trained with another config."""
+    """A run directory cannot be used as asked: not a writable folder, in use, or holding another run."""
 
 
 def writable_dir(path: Path, what: str = "run.dir") -> Path:
-    """Create ``path`` (and parents) if needed and check a file can be written in it; RunDirError if not."""
+    """Create ``path`` if needed and check a file can be written in it; RunDirError if not."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{what} {str(path)!r} is a file, expected a directory (or a path that does not exist yet)")
+    if path.is_symlink() and not path.exists():
+        raise RunDirError(f"{what} {str(path)!r} is a symbolic link to {os.readlink(path)!r}, which leads to no folder "
+                          "(a dangling link or a loop); create its target, remove the link or give another path")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
@@ -129,19 +125,12 @@ class RunLock:
         self.release()
 
 
-# ----------------------------------------------------------------------------- resume
-
-
 def note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- which folder
-
-
 def check_run_dir_setting(run_dir: str) -> Path:
-    """``run.dir`` as a Path; RunDirError for an empty one (an unset shell variable in ``run.dir=$DIR``):
-    it would mean the current folder, and a run writes config.yaml, checkpoints/, tb/ there."""
+    """``run.dir`` as a Path; RunDirError for an empty one (an unset shell variable in ``run.dir=$DIR``)."""
     if not str(run_dir).strip():
         raise RunDirError("run.dir is empty (an unset variable in run.dir=$DIR?); a run would write config.yaml, "
                           "checkpoints/, tb/ and metrics.jsonl into the current folder. Give the run's folder, e.g. "
@@ -150,8 +139,7 @@ def check_run_dir_setting(run_dir: str) -> Path:
 
 
 def first_missing(path: Path) -> Optional[Path]:
-    """The outermost folder of ``path`` (itself or a parent) that does not exist yet: what creating
-    ``path`` creates (None when ``path`` exists)."""
+    """The outermost folder of ``path`` (itself or a parent) that does not exist yet, or None."""
     path = Path(path).absolute()
     if path.exists():
         return None
@@ -166,10 +154,8 @@ _SETUP_FILES = {"config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK_NAME}
 
 
 def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
-    """After a training failed: remove the run directory when this command created it (``created``,
-    from :func:`first_missing` before) and the run never got going — no checkpoint and no metrics
-    line, nothing but what set-up writes — with the parent folders it created; -> whether it did.
-    A run that trained (a checkpoint, or a metrics line that shows why it failed) is kept."""
+    """After a failed training: remove the run directory (and the parents it created) when this command created it
+    (``created``: :func:`first_missing`) and it holds nothing but set-up files; -> whether it did."""
     import shutil
     run_dir = Path(run_dir).absolute()
     if created is None or not run_dir.is_dir():
@@ -192,9 +178,7 @@ def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
 
 
 def keep_logged_steps(metrics: Path, step: int) -> None:
-    """Before a run resumes from its checkpoint at ``step``: drop the lines of ``metrics``
-    (metrics.jsonl) for later steps — the killed session logged them, the resumed one logs them
-    again — and a line cut short by the kill. Rewritten atomically; nothing to do when every line is kept."""
+    """Before a run resumes at ``step``: drop the lines of ``metrics`` for later steps, and torn lines (atomically)."""
     metrics = Path(metrics)
     if not metrics.is_file():
         return
@@ -210,9 +194,4 @@ def keep_logged_steps(metrics: Path, step: int) -> None:
         kept.append(line if line.endswith("\n") else line + "\n")
     if kept == lines:
         return
-    tmp = metrics.with_name(f".{metrics.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text("".join(kept))
-        os.replace(tmp, metrics)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(metrics, lambda tmp: tmp.write_text("".join(kept)))

@@ -1,5 +1,4 @@
-"""What a run's metrics.jsonl says about its training: the logged records, wall-clock time and
-milliseconds per step (``ddcl-vq compare``'s train time and ms/step columns, its usage plot)."""
+"""What a run's metrics.jsonl says about its training: the records, wall-clock time, milliseconds per step."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,10 +28,8 @@ def train_seconds(run_dir: Path) -> Optional[float]:
 
 
 def ms_per_step(run_dir: Path) -> Optional[float]:
-    """Milliseconds per training step from metrics.jsonl (see COLUMN_DEFINITIONS): sum of 'time'
-    differences over sum of 'step' differences between consecutive records of one session (a
-    session ends where 'time' goes back or 'step' does not advance: a resumed run). A run whose
-    sessions each logged one record falls back to the first record's time / step."""
+    """Milliseconds per training step: 'time' differences over 'step' differences between consecutive records of
+    one session (see COLUMN_DEFINITIONS); else the first record's time / step."""
     points = []
     for record in metrics_records(run_dir):
         try:

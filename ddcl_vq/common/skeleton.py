@@ -1,29 +1,22 @@
-"""What every training loop does around its step, written once.
-
-The tokenizer's loop (:mod:`.loop`), the prior's (:mod:`.prior`) and the readout arms' (:mod:`.readout`) keep only what
-is their own — build the model and optimizer, one step, their evaluation, their summary — and run inside a
+"""What every training loop does around its step, written once: the tokenizer's, the prior's and the readout arms'
+loops keep only what is their own (model, optimizer, one step, evaluation, summary) and run inside a
 :class:`TrainingRun`::
 
-    run = TrainingRun(run_dir, total_steps, checkpoint_every=..., log_every=..., name=..., device="auto")
-    with run:                                   # torchrun set up, run directory created and locked
+    with TrainingRun(run_dir, total_steps, checkpoint_every=..., log_every=..., name=...) as run:  # torchrun, lock
         found = run.latest()                    # the newest checkpoint (the loop checks its config)
         ...build model, optimizer, scheduler...
         run.keep(model=model, optimizer=optimizer, scheduler=scheduler)   # what a checkpoint holds
         step = run.resume(found)                # its step, with RNG state (0 when there is none)
         for step, batch in run.steps(batches, step):   # step = optimizer steps done before this one
-            loss = ...one step...
-            if run.due(run.log_every, step + 1):
-                run.log(step + 1, {"loss": loss.item()})
-        ...evaluate, summary...
+            ...one step...; run.log(step + 1, {"loss": ...}) when run.due(run.log_every, step + 1)
 
 ``run.steps`` ends at ``total_steps``; after ``stop_after`` steps of this session (with a checkpoint); and on SIGTERM or
-SIGINT (Ctrl-C): the step under way finishes, a checkpoint is saved (under torchrun every process stops at the same
-step) and :class:`Stopped` is raised, which every command turns into one line and exit status 128 + the signal. A second
-signal stops at once. Checkpoints are atomic (:mod:`.checkpoint`); metrics.jsonl loses the lines a killed session wrote
-past the checkpoint it resumes from (:func:`.rundir.keep_logged_steps`); TensorBoard purges them.
+SIGINT: the step under way finishes, a checkpoint is saved (every process at the same step) and :class:`Stopped` is
+raised. A second signal stops at once (a checkpoint being written is abandoned whole).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from ddcl_vq.common.checkpoint import latest_checkpoint, load_into, prune_periodic, save_checkpoint
-from ddcl_vq.common.errors import Stopped
+from ddcl_vq.common.errors import SignalScope, Stopped
 from ddcl_vq.common.rundir import RunLock, check_run_dir_setting, first_missing, keep_logged_steps, remove_failed_start
+
 
 # ----------------------------------------------------------------------------- torchrun
 def setup_distributed(device_pref: str = "auto") -> Dict:
-    """Initialise torch.distributed from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK),
-    if present: NCCL on GPUs, gloo on CPUs. -> {"rank", "world", "device"}."""
+    """Initialise torch.distributed from torchrun's environment, if any (NCCL on GPUs, gloo on CPUs).
+    -> {"rank", "world", "device"}."""
     from ddcl_vq.common.config import ConfigError
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
@@ -60,35 +54,29 @@ def setup_distributed(device_pref: str = "auto") -> Dict:
 
 
 def teardown_distributed() -> None:
-    """Wait for every process, then destroy the process group (if one was started). Leaving a gloo/NCCL
-    group alive at interpreter exit can abort the process, so every command ends with this."""
+    """Wait for every process, then destroy the process group, if any (alive at exit, it can abort the process)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model`` in DistributedDataParallel, its buffers left alone in the forward (a quantizer all-reduces its
-    own statistics; the checkpoints check that every process holds the same model), gradients written
-    straight into DDP's buckets (no copy; a 1-channel layer's gradient strides then match)."""
+    """``model`` in DistributedDataParallel, its buffers left alone (a quantizer all-reduces its own statistics)."""
     import inspect
     import warnings
-    # A layer with one input or output channel (the decoder's last) gets gradients whose size-1 dimension has
-    # another stride than its bucket's: the same memory layout, copied once; torch warns on every process.
+    # a 1-channel layer's gradient has another stride than its bucket's (the same layout): torch warns every process
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     buffers = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     gradient_as_bucket_view=True, **buffers)
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, **buffers)
 
 
 # ----------------------------------------------------------------------------- schedule and RNG
 def lr_schedule(steps: int, schedule: str = "cosine", warmup: int = 0, floor: float = 0.1) -> Callable[[int], float]:
     """The learning-rate factor at each step (for ``LambdaLR``): a linear warm-up over ``warmup`` steps,
-    then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after).
-    ``"anneal"`` is FVQ's learning annealing (arXiv 2509.10140, its authors' ``combined_lr_lambda``, as run):
-    a linear warm-up from 0.005 over the first 10% of ``steps``, 1 for 30% of the rest, then linear to 0.01
-    at the last step (``warmup`` and ``floor`` are its own)."""
+    then ``"constant"`` 1, or ``"cosine"`` from 1 down to ``floor`` at ``steps`` (and ``floor`` after). ``"anneal"``
+    (FVQ's): from 0.005 up over 10% of ``steps``, 1 for 30% of the rest, then linear to 0.01 (its own warm-up)."""
     def factor(step: int) -> float:
         if schedule == "anneal":
             ramp = int(0.1 * steps)
@@ -119,35 +107,26 @@ def set_rng_state(state: Dict, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- signals
-class _Signals:
-    """SIGTERM and SIGINT set a flag while the steps run (the step under way finishes); the handlers
-    before are restored on exit, and a second signal gets them at once (Ctrl-C twice: stop now)."""
+class _Signals(SignalScope):
+    """SIGTERM and SIGINT set a flag while the steps run; a second signal stops at once: :class:`Stopped` with
+    ``again(signum)``, what was kept."""
 
     NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, again: Callable[[int], str]):
         self.caught: Optional[int] = None
-        self.previous: Dict[int, Any] = {}
+        self.twice: Optional[int] = None
+        self.again = again
         self.group = None
         if world > 1:  # agree on a CPU tensor, also when the training's group is NCCL (no device sync per step)
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def _handler(self, signum, frame) -> None:
-        self.caught = signum
-        previous = self.previous.get(signum, signal.SIG_DFL)
-        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # a second one: at once
-
-    def __enter__(self) -> "_Signals":
-        try:
-            for signum in self.NAMES:
-                self.previous[signum] = signal.signal(signum, self._handler)
-        except ValueError:  # not the main thread: signals stay as they are
-            self.previous = {}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, previous in self.previous.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if self.caught is None:
+            self.caught = signum
+            return
+        self.twice = signum
+        raise Stopped(self.again(signum), 128 + signum)
 
     def agreed(self) -> Optional[int]:
         """The signal caught by any process (every process calls this once per step under torchrun)."""
@@ -160,21 +139,16 @@ class _Signals:
 
 # ----------------------------------------------------------------------------- the run
 def is_due(every: int, step: int, total_steps: int) -> bool:
-    """Whether something done every ``every`` steps is due after ``step`` of ``total_steps`` steps
-    (always at the last): :meth:`TrainingRun.due`, for code that has the config but not the run."""
+    """Whether what is done every ``every`` steps is due after ``step`` of ``total_steps`` (always at the last)."""
     return step % every == 0 or step == total_steps
 
 
 class TrainingRun:
     """One training in its run directory, from torchrun set-up and the lock to the last checkpoint.
 
-    run_dir: where config.yaml, checkpoints/, tb/, metrics.jsonl go; total_steps: the training's length;
-    checkpoint_every: periodic checkpoints (step_XXXXXXX.pt, the newest few kept) beside last.pt, also written at the
-    last step; log_every: what ``log`` callers use with ``due``; name: the progress line's label; device: "auto" | "cpu"
-    | "cuda"; quiet: no progress; stop_after: leave after this many steps of this session, with a checkpoint; config:
-    the resolved config saved in every checkpoint; extra: more plain values saved in every checkpoint; threads: the
-    configured CPU threads (None: automatic — then a resumed run takes the count its checkpoint was trained with, so
-    that it continues the straight run bit for bit)."""
+    checkpoint_every: periodic checkpoints (step_XXXXXXX.pt) beside last.pt; name: the progress line's label;
+    stop_after: leave after this many steps of this session, with a checkpoint; config, extra: plain values saved in
+    every checkpoint; threads: the configured CPU threads (None: a resumed run takes the count it was trained with)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, checkpoint_every: int, log_every: int, name: str,
                  device: str = "auto", quiet: bool = False, stop_after: Optional[int] = None,
@@ -193,9 +167,11 @@ class TrainingRun:
         self._lock: Optional[RunLock] = None
         self._created: Optional[Path] = None
         self._saved_at: Optional[int] = None  # the step of the last checkpoint this session saved
+        self._kept: Optional[int] = None      # the step of the newest complete checkpoint (resumed from or saved)
+        self._writing: Optional[int] = None   # the step of the checkpoint being written
+        self._signals: Optional[_Signals] = None
         self.step = 0  # steps done: where resume left it, then advanced by steps()
 
-    # -- the run directory
     def __enter__(self) -> "TrainingRun":
         if self.is_main:
             self._created = first_missing(self.dir)
@@ -203,25 +179,23 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._close()  # the steps' files, also when a second signal stopped them at once
         if self._lock is not None:
             self._lock.release()
             self._lock = None
         if exc_type is not None and not issubclass(exc_type, Stopped) and self._created is not None:
             remove_failed_start(self.dir, self._created)  # a run that never got going leaves no folder behind
 
-    # -- checkpoints
     def latest(self) -> Optional[Tuple[Dict, Path]]:
         """The newest readable checkpoint (state, path), or None."""
         return latest_checkpoint(self.dir / "checkpoints", map_location=self.device)
 
     def keep(self, **parts: Any) -> None:
-        """What every checkpoint holds, by name: objects with ``state_dict``/``load_state_dict`` (the model,
-        the optimizer, the schedule, ...); ``state_dict`` is called on every process (it may all-reduce)."""
+        """What every checkpoint holds, by name: objects with ``state_dict``/``load_state_dict``."""
         self.parts.update(parts)
 
     def resume(self, found: Optional[Tuple[Dict, Path]], announce: bool = True) -> int:
-        """Load ``found`` (from :meth:`latest`) into the kept parts and restore the RNG; -> its step (0: none).
-        A part a checkpoint lacks (saved before it existed) keeps its fresh state."""
+        """Load ``found`` (from :meth:`latest`) into the kept parts and restore the RNG; -> its step (0: none)."""
         if found is None:
             return 0
         state, path = found
@@ -229,7 +203,7 @@ class TrainingRun:
             if name in state:
                 load_into(part, state[name], path, name)
         set_rng_state(state["rng"], self.device)
-        step = self.step = int(state["step"])
+        step = self.step = self._kept = int(state["step"])
         saved = state.get("threads")
         same = ""
         if self.threads is None and self.device.type == "cpu" and saved and saved != torch.get_num_threads():
@@ -240,8 +214,7 @@ class TrainingRun:
         return step
 
     def save(self, step: int, periodic: bool = False) -> None:
-        """Every process calls this; rank 0 writes last.pt (and step_XXXXXXX.pt when ``periodic``) atomically,
-        after checking that every process holds the same model."""
+        """Every process calls this; rank 0 writes last.pt (and step_XXXXXXX.pt when ``periodic``) atomically."""
         from ddcl_vq.distributed import replicas_identical
         model = self.parts.get("model")
         if self.world > 1 and model is not None and not replicas_identical(model):
@@ -253,25 +226,31 @@ class TrainingRun:
             return
         state = {**states, **self.extra, "step": step, "rng": rng_state(self.device), "config": self.config,
                  "threads": torch.get_num_threads()}
-        save_checkpoint(state, self.dir / "checkpoints" / "last.pt")
-        if periodic:
-            save_checkpoint(state, self.dir / "checkpoints" / f"step_{step:07d}.pt")
-            prune_periodic(self.dir / "checkpoints")
+        self._writing = step
+        try:
+            save_checkpoint(state, self.dir / "checkpoints" / "last.pt")
+            self._kept = step
+            if periodic:
+                save_checkpoint(state, self.dir / "checkpoints" / f"step_{step:07d}.pt")
+                prune_periodic(self.dir / "checkpoints")
+        except Exception:  # noqa: BLE001 - a second signal, raised inside torch.save, comes out as its RuntimeError
+            if self._signals is None or self._signals.twice is None:
+                raise
+            raise Stopped(self._again(self._signals.twice), 128 + self._signals.twice) from None
+        finally:
+            self._writing = None
 
-    # -- the steps
     def due(self, every: int, step: int) -> bool:
-        """Whether something done every ``every`` steps is due after ``step`` steps (always at the last)."""
         return is_due(every, step, self.total_steps)
 
     def steps(self, batches: Iterable, start: int) -> Iterator[Tuple[int, Any]]:
-        """(steps done before this one, batch) until total_steps; checkpoints as configured; stop_after and
-        SIGTERM/SIGINT as the module docstring says. Opens metrics.jsonl, TensorBoard and the progress
-        line (rank 0) and closes them at the end."""
+        """(steps done before this one, batch) until total_steps, with checkpoints, stop_after and signals."""
         step = first = self.step = start
         batches = iter(batches)
         self._open(start)
         try:
-            with _Signals(self.world) as signals:
+            with _Signals(self.world, self._again) as signals:
+                self._signals = signals
                 while step < self.total_steps:
                     if self.stop_after is not None and step - first >= self.stop_after:
                         self.save(step)
@@ -296,6 +275,15 @@ class TrainingRun:
         finally:
             self._close()
 
+    def _again(self, signum: int) -> str:
+        """What a second signal says: what it stopped, and which checkpoint is kept."""
+        name = _Signals.NAMES.get(signum, f"signal {signum}")
+        what = (f"while the checkpoint of step {self._writing} was being written (abandoned: not a partial file)"
+                if self._writing is not None else f"after step {self.step}")
+        kept = (f"the checkpoint of step {self._kept} is kept ({self.dir / 'checkpoints' / 'last.pt'})"
+                if self._kept is not None else "no checkpoint was saved")
+        return f"stopped at once by a second {name} {what}; {kept}; run the same command again to resume"
+
     def _stop(self, signum: int, step: int) -> None:
         if self._saved_at != step:
             self.save(step)
@@ -304,7 +292,6 @@ class TrainingRun:
         raise Stopped(f"stopped by {name} after step {step} of {self.total_steps}; checkpoint saved in "
                       f"{self.dir / 'checkpoints' / 'last.pt'}; run the same command again to resume", 128 + signum)
 
-    # -- what it reports
     def _open(self, step: int) -> None:
         if not self.is_main:
             return
@@ -325,8 +312,7 @@ class TrainingRun:
                 setattr(self, name, None)
 
     def log(self, step: int, record: Dict, scalar_names: Optional[Dict[str, str]] = None) -> None:
-        """One metrics.jsonl line ({"step": step, **record}) and its TensorBoard scalars (rank 0; numbers only,
-        ``time``/``wall`` aside; ``scalar_names`` renames some); the progress line shows ``postfix(record)``."""
+        """One metrics.jsonl line and its TensorBoard scalars (``scalar_names`` renames some); rank 0 only."""
         if not self.is_main or self._metrics is None:
             return
         record = {"step": step, **record}
@@ -344,10 +330,7 @@ def metrics_records(run_dir: str | Path) -> List[Dict]:
     """RUN_DIR/metrics.jsonl as a list of records (a torn last line skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     out = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
     return out

@@ -1,20 +1,7 @@
-"""How many torch intra-op (CPU) threads a command uses: one rule for every heavy command (``train.threads`` in a
-training config, ``--threads`` on evaluate, compare, tokenize and study).
+"""How many torch intra-op (CPU) threads a command uses (``train.threads``, ``--threads``).
 
-PyTorch starts one intra-op thread per core. When other processes keep those cores busy (several trainings, a test
-suite, other users on a shared machine) every parallel operation waits for its slowest thread and a step slows down many
-times over; on an idle machine every core helps (docs/performance.md has both measurements). The automatic choice
-(``threads: null`` / no ``--threads``) therefore looks at the machine as it is when the command starts:
-
-- ``OMP_NUM_THREADS`` when it is set (the user's or a launcher's choice);
-- one thread per process when a launcher starts several on this machine (torchrun's ``LOCAL_WORLD_SIZE``; ``ddcl-vq
-  study --jobs N`` gives its trainings one each);
-- else the physical cores this process may run on (its CPU affinity) that are idle — the busy ones measured over a
-  quarter of a second from /proc/stat — at least 1, at most :data:`AUTO_MAX`.
-
-The thread count can change the last bits of a result (the order of a parallel sum): a training records the count it
-chose in its checkpoints and a resumed run continues with it (:class:`~ddcl_vq.common.skeleton.TrainingRun`), and
-``train.threads`` / ``--threads`` fix it.
+The automatic choice: ``OMP_NUM_THREADS`` when set; one thread per process under torchrun (``LOCAL_WORLD_SIZE``);
+else the idle physical cores this process may run on (measured from /proc/stat), from 1 to :data:`AUTO_MAX`.
 """
 from __future__ import annotations
 
@@ -67,8 +54,7 @@ def _cpu_times(cpus: List[int]) -> Optional[Tuple[float, float]]:
 
 
 def busy_cpus(cpus: Optional[List[int]] = None, seconds: float = 0.25) -> Optional[float]:
-    """How many of ``cpus`` (default :func:`usable_cpus`) other work keeps busy, measured over ``seconds``
-    (this process sleeps meanwhile); None where /proc/stat cannot be read."""
+    """How many of ``cpus`` other work keeps busy, measured over ``seconds``; None where /proc/stat is unreadable."""
     cpus = usable_cpus() if cpus is None else cpus
     first = _cpu_times(cpus)
     if first is None:
@@ -82,8 +68,8 @@ def busy_cpus(cpus: Optional[List[int]] = None, seconds: float = 0.25) -> Option
 
 def auto_threads(env: Optional[Mapping[str, str]] = None, cores: Optional[int] = None,
                  busy: Optional[float] = -1.0) -> Tuple[int, str]:
-    """The automatic thread count and why, in a few words (see the module docstring). ``cores``:
-    :func:`usable_cores`; ``busy``: :func:`busy_cpus` (-1: measure now; None: unknown)."""
+    """The automatic thread count and why. ``cores``: :func:`usable_cores`; ``busy``: :func:`busy_cpus` (-1: measure
+    now; None: unknown)."""
     env = os.environ if env is None else env
     omp = env.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
@@ -108,8 +94,7 @@ chosen = ""
 
 
 def set_threads(threads: Optional[int] = None) -> int:
-    """Set torch's intra-op threads to ``threads`` (None: :func:`auto_threads`); returns the number set
-    (and keeps why in :data:`chosen`)."""
+    """Set torch's intra-op threads to ``threads`` (None: :func:`auto_threads`); returns the number set."""
     global chosen
     import torch
     n, chosen = (threads, "set") if threads else auto_threads()

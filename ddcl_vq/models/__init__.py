@@ -1,5 +1,4 @@
-"""Models built on ddcl_vq: the encoder, decoder and ``VQVAE`` that plugs any ddcl_vq quantizer in
-between (``vqvae``), and the patch transformer of the readout study (``patch_transformer``)."""
+"""Models built on ddcl_vq: ``VQVAE`` (any ddcl_vq quantizer), VQGAN parts, the prior, the readout study's model."""
 from ddcl_vq.models.patch_transformer import PatchTransformer
 from ddcl_vq.models.vqvae import VQVAE, Decoder, Encoder, ResidualBlock, VQVAEOutput
 

@@ -1,5 +1,4 @@
-"""The small image classifier whose features the prior's evaluation measures samples in
-(``ddcl_vq.prior.classifier``: Fréchet distance, class accuracy of samples)."""
+"""The small image classifier in whose features the prior's evaluation measures samples."""
 from __future__ import annotations
 
 from torch import Tensor, nn

@@ -1,5 +1,4 @@
-"""A small patch transformer with a choice of readout: mean pooling, a class token, or the DDCL
-readout (:class:`ddcl_vq.DDCLReadout`); the model of the readout study (``ddcl-vq readout-study``)."""
+"""The readout study's patch transformer: mean pooling, a class token, or the DDCL readout."""
 from __future__ import annotations
 
 import torch

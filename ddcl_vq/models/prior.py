@@ -1,23 +1,8 @@
 """A small autoregressive transformer over a VQ-VAE's code indices (nanoGPT-style, plain torch).
 
-The (h, w) map of hard code indices an image is tokenized into is read in raster order (row by row)
-as a sequence of L = h·w codes in [0, K). The model predicts code t from a start token and codes
-0 … t−1:
-
-    input  position 0: the start token (class-conditional: one learned embedding per class,
-                       so the class comes first; unconditional: one learned start embedding)
-    input  position p ≥ 1: the embedding of code p − 1
-    output position p: logits over the K codes for code p
-
-with a learned position embedding per input position, pre-LayerNorm blocks (causal self-attention
-through ``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP) and a linear head.
-``loss`` is the mean negative log-likelihood per code in nats (cross-entropy); divided by ln 2 it
-is bits per token.
-
-Sampling draws one code per step. With ``use_cache=True`` (the default) every layer keeps the keys
-and values of the positions already seen (a KV cache), so step t attends over t cached positions
-instead of re-running the whole prefix: L steps cost O(L²) attention instead of O(L³), and each
-step runs the MLPs on one position. Both paths give the same codes for the same generator.
+The (h, w) code map is read in raster order as L = h·w codes in [0, K). Input position 0 is the start (class) token,
+position p ≥ 1 the embedding of code p − 1; output position p gives the logits of code p. Sampling with
+``use_cache=True`` keeps every layer's keys and values (a KV cache); both paths give the same codes.
 """
 from __future__ import annotations
 
@@ -40,8 +25,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, cache: Optional[Dict[str, Tensor]] = None) -> Tensor:
-        """x (B, T, C); ``cache``: a dict holding this layer's keys/values of earlier positions
-        (updated in place), or None for a full causal pass over x."""
+        """x (B, T, C); ``cache``: this layer's keys/values of earlier positions (updated in place), or None."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (u.view(b, t, self.heads, c // self.heads).transpose(1, 2) for u in (q, k, v))
@@ -194,9 +178,8 @@ class CodePrior(nn.Module):
     @torch.no_grad()
     def sample(self, count: int, labels: Optional[Tensor] = None, temperature: float = 1.0, top_k: int = 0,
                generator: Optional[torch.Generator] = None, use_cache: bool = True) -> Tensor:
-        """Draw ``count`` code maps -> (count, h, w) long in [0, K). ``labels``: (count,) classes (or one
-        class for all) for a class-conditional prior; ``temperature`` 0 is greedy; ``top_k`` > 0 keeps
-        the k most likely codes at each step; ``generator`` makes it reproducible."""
+        """Draw ``count`` code maps -> (count, h, w) long in [0, K). ``labels``: (count,) classes (or one for all);
+        ``temperature`` 0 is greedy; ``top_k`` > 0 keeps the k most likely codes at each step."""
         if temperature < 0:
             raise ValueError(f"expected temperature >= 0, got {temperature}")
         if top_k < 0:

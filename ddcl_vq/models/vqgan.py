@@ -1,18 +1,12 @@
-"""The VQGAN encoder and decoder (taming-transformers / diffusers ``VQModel``), around any ddcl_vq quantizer.
-
-Built on diffusers' own ``Encoder`` and ``Decoder`` (``diffusers.models.autoencoders.vae``, the modules
-``diffusers.VQModel`` is made of: GroupNorm + SiLU ResNet blocks, attention in the middle block and, as
-taming's ``attn_resolutions``, in the blocks at the listed resolutions), not a third encoder:
+"""The VQGAN encoder and decoder (taming-transformers / diffusers ``VQModel``), around any ddcl_vq quantizer: built on
+diffusers' own ``Encoder`` and ``Decoder`` (GroupNorm + SiLU ResNet blocks, attention in the middle block and in the
+blocks at taming's ``attn_resolutions``)::
 
     VQGANEncoder: (B, C, H, W) -> diffusers Encoder -> (B, z_channels, h, w) -> quant_conv 1x1 -> (B, D, h, w)
     VQGANDecoder: (B, D, h, w) -> post_quant_conv 1x1 -> (B, z_channels, h, w) -> diffusers Decoder -> (B, C, H, W)
 
-h = H / 2**(len(ch_mult) - 1). In a ``VQVAE`` (``VQVAE.from_config`` with ``"arch": "vqgan"``) the
-quantizer between them is any ddcl_vq quantizer (DDCL, HardVQ, EMAVQ, the peers): the same place
-``swap_quantizer`` puts DDCL in a ``VQModel``. The parameter names match ``VQModel``'s
-(``encoder.*``, ``quant_conv.*``, ``post_quant_conv.*``, ``decoder.*``), so
-:func:`diffusers_state_dict` + :func:`diffusers_config` give a folder plain ``VQModel.from_pretrained``
-loads (``ddcl-vq export --format diffusers``).
+h = H / 2**(len(ch_mult) - 1). The parameter names match ``VQModel``'s, so :func:`diffusers_state_dict` +
+:func:`diffusers_config` give a folder plain ``VQModel.from_pretrained`` loads (``ddcl-vq export --format diffusers``).
 """
 from __future__ import annotations
 
@@ -21,14 +15,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["VQGANEncoder", "VQGANDecoder", "block_types", "diffusers_config", "diffusers_state_dict"]
-
-
 def block_types(ch_mult: Sequence[int], attn_resolutions: Sequence[int], resolution: int
                 ) -> Tuple[List[str], List[str]]:
-    """diffusers' (down_block_types, up_block_types) for taming's ch_mult / attn_resolutions: encoder
-    block i works at resolution / 2**i (attention there when listed), decoder block i (lowest
-    resolution first) at resolution / 2**(n - 1 - i)."""
+    """diffusers' (down_block_types, up_block_types) for taming's ch_mult / attn_resolutions."""
     n = len(ch_mult)
     attn = set(int(r) for r in attn_resolutions)
     down = ["AttnDownEncoderBlock2D" if resolution // 2 ** i in attn else "DownEncoderBlock2D" for i in range(n)]
@@ -65,8 +54,7 @@ class VQGANEncoder(nn.Module):
 
 
 class VQGANDecoder(nn.Module):
-    """VQModel's post_quant_conv + diffusers' Decoder; ``last_layer`` is its output conv's weight
-    (where the VQGAN loss's adaptive weight compares gradients)."""
+    """VQModel's post_quant_conv + diffusers' Decoder; ``last_layer`` is its output conv's weight."""
 
     def __init__(self, out_channels: int = 3, ch: int = 128, ch_mult: Sequence[int] = (1, 1, 2, 2, 4),
                  num_res_blocks: int = 2, attn_resolutions: Sequence[int] = (16,), resolution: int = 256,
@@ -89,8 +77,7 @@ class VQGANDecoder(nn.Module):
 
 
 def diffusers_config(encoder_kwargs: Dict[str, Any], num_codes: int) -> Dict[str, Any]:
-    """``diffusers.VQModel``'s constructor arguments for a VQGAN built from ``encoder_kwargs``
-    (:class:`VQGANEncoder`'s arguments) with ``num_codes`` codes."""
+    """``diffusers.VQModel``'s constructor arguments for a VQGAN of ``encoder_kwargs`` with ``num_codes`` codes."""
     e = dict(encoder_kwargs)
     ch, ch_mult = e.get("ch", 128), list(e.get("ch_mult", (1, 1, 2, 2, 4)))
     down, up = block_types(ch_mult, e.get("attn_resolutions", (16,)), e.get("resolution", 256))
@@ -104,16 +91,11 @@ def diffusers_config(encoder_kwargs: Dict[str, Any], num_codes: int) -> Dict[str
 
 
 def diffusers_state_dict(model: nn.Module) -> Dict[str, Tensor]:
-    """``VQModel``'s state dict from a VQVAE with a :class:`VQGANEncoder` / :class:`VQGANDecoder`: the
-    same tensors under VQModel's names, and the quantizer's hard codebook (K, D) as
-    ``quantize.embedding.weight`` (what VQModel's VectorQuantizer looks codes up in)."""
+    """``VQModel``'s state dict from a VQGAN VQVAE, the hard codebook (K, D) as ``quantize.embedding.weight``."""
     if not isinstance(model.encoder, VQGANEncoder) or not isinstance(model.decoder, VQGANDecoder):
         raise ValueError(f"expected a VQGAN (VQGANEncoder / VQGANDecoder), got {type(model.encoder).__name__} / "
                          f"{type(model.decoder).__name__}")
-    out: Dict[str, Tensor] = {}
-    for name, t in model.encoder.state_dict().items():
-        out[name] = t  # encoder.* and quant_conv.*, as VQModel names them
-    for name, t in model.decoder.state_dict().items():
-        out[name] = t  # post_quant_conv.* and decoder.*
-    out["quantize.embedding.weight"] = model.quantizer.codebook.detach().to(torch.float32)
+    # encoder.*, quant_conv.*, post_quant_conv.*, decoder.*: as VQModel names them
+    out = {**model.encoder.state_dict(), **model.decoder.state_dict(),
+           "quantize.embedding.weight": model.quantizer.codebook.detach().to(torch.float32)}
     return {k: v.detach().contiguous().clone() for k, v in out.items()}

@@ -1,18 +1,13 @@
 """A VQ-VAE in the style of van den Oord et al. (2017): strided convs + residual blocks.
 
-Encoder: (B, C, H, W) -> (B, D, H/f, W/f), f = 2**num_downsamples.
-Decoder: (B, D, H/f, W/f) -> (B, C, H, W).
-VQVAE:   encoder -> any ddcl_vq quantizer -> decoder.
-
-Sharing a model: a VQVAE built with ``VQVAE.from_config`` (every model ``ddcl-vq train`` builds)
-saves itself the way the ecosystem shares models, ``save_pretrained(DIR)`` -> ``config.json``
-(constructor arguments) + ``model.safetensors`` (weights and quantizer state, no pickle), and
-``VQVAE.from_pretrained(DIR or hub id)`` rebuilds it (huggingface_hub's PyTorchModelHubMixin:
-``push_to_hub`` works too where there is network).
+Encoder: (B, C, H, W) -> (B, D, H/f, W/f), f = 2**num_downsamples; Decoder: back; VQVAE: encoder -> any ddcl_vq
+quantizer -> decoder, shared as config.json + model.safetensors (``save_pretrained`` / ``from_pretrained``).
 """
 from __future__ import annotations
 
 import copy
+import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +20,6 @@ from torch import Tensor, nn
 from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer,
                      QuantizerOutput, SimVQQuantizer, VQPQuantizer)
 
-from ddcl_vq.models.loading import (check_config, check_size, index_maps, latent_grid, load_weights, read_config_file,
-                      safetensors_header)
-
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
                    "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer,
@@ -36,6 +28,176 @@ CONFIG_FORMAT = "ddcl-vq/vqvae"
 WEIGHTS_NAME = "model.safetensors"
 
 
+# ----------------------------------------------------------------------------- what from_pretrained reads
+# config.json and model.safetensors must belong together; anything else is a ValueError raised before anything large
+# is allocated. No code runs from either file.
+#: quantizers whose weights hold a learned (K, D) codebook: the weights file is at least K·D·2 bytes
+LEARNED_CODEBOOK = ("ddcl", "hard", "ema", "vqp")
+#: the encoder/decoder sizes config.json may give, and their bound (a tampered 1e12 is refused, not allocated)
+SIZES = ("in_channels", "out_channels", "channels", "latent_dim", "res_hidden", "num_downsamples", "num_res_blocks")
+MAX_SIZE = 65536
+INTEGER_DTYPES = (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
+                  torch.int64)
+
+
+def byte_size(n: float) -> str:
+    """``n`` bytes in decimal units: '512 bytes', '1.5 MB'."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``; a ValueError naming the file when it is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"expected {str(path)!r} to hold JSON (written by VQVAE.save_pretrained or ddcl-vq "
+                         f"export), got unreadable text ({err})") from None
+
+
+def _integer(value: Any, low: int = 1, high: float = math.inf) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_config(config: Any, where: str) -> Dict[str, Any]:
+    """``config`` if it has the shape ``VQVAE.from_config`` needs, else a ValueError saying what is wrong."""
+    if not isinstance(config, dict):
+        raise ValueError(f"expected {where} to hold a JSON object (written by VQVAE.save_pretrained or ddcl-vq "
+                         f"export), got a JSON {type(config).__name__}")
+    missing = [k for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs") if k not in config]
+    if missing:
+        raise ValueError(f"expected {where} to have {', '.join(missing)} (a VQVAE config); got keys {sorted(config)}")
+    for key in ("encoder_kwargs", "decoder_kwargs", "quantizer_kwargs"):
+        if not isinstance(config[key], dict):
+            raise ValueError(f"expected {key} in {where} to be a JSON object, got {config[key]!r}"[:300])
+    if config["quantizer_type"] not in QUANTIZER_TYPES:
+        raise ValueError(f"expected quantizer_type in {where} to be one of {', '.join(QUANTIZER_TYPES)}, "
+                         f"got {config['quantizer_type']!r}"[:300])
+    q = config["quantizer_kwargs"]
+    for key in ("num_codes", "dim"):
+        if key in q and not _integer(q[key]):
+            raise ValueError(f"expected quantizer_kwargs.{key} in {where} to be a positive integer, got {q[key]!r}")
+    for part in ("encoder_kwargs", "decoder_kwargs"):
+        for key in SIZES:
+            low = 0 if key == "num_res_blocks" else 1
+            value = config[part].get(key, 1)
+            if not _integer(value, low, MAX_SIZE):
+                raise ValueError(f"expected {part}.{key} in {where} to be an integer in [{low}, {MAX_SIZE}], got "
+                                 f"{value!r}"[:300])
+    return config
+
+
+def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
+    """The header of a safetensors file ({name: {dtype, shape, data_offsets}}), checked against the
+    file's size; a ValueError when the file is truncated or not safetensors."""
+    path = str(path)
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                raise ValueError("header cut off")
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"expected {path!r} to be a safetensors weights file (written by VQVAE.save_pretrained "
+                         f"or ddcl-vq export); it is truncated or not safetensors ({byte_size(size)})") from None
+    if 8 + n + max(ends, default=0) > size:
+        raise ValueError(f"{path!r} is truncated: its header lists {byte_size(max(ends))} of tensors, the file holds "
+                         f"{byte_size(size - 8 - n)} after the header")
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def check_size(config: Dict[str, Any], header: Dict[str, Any], weights: str) -> None:
+    """Refuse a config whose codebook alone (K·D float32) is larger than the weights file's tensors or this machine."""
+    q = config["quantizer_kwargs"]
+    if config["quantizer_type"] not in LEARNED_CODEBOOK or not ("num_codes" in q and "dim" in q):
+        return
+    codebook = 4 * q["num_codes"] * q["dim"]
+    stored = sum(math.prod(v.get("shape", [])) * 2 for v in header.values())  # >= 2 bytes per stored element
+    if codebook > 2 * max(stored, 1):
+        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {q['dim']} (a "
+                         f"{byte_size(codebook)} codebook) but {weights!r} holds about {byte_size(stored)} of weights: "
+                         "config.json and model.safetensors do not belong together")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's physical memory
+    if codebook > memory:
+        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {q['dim']}: the codebook alone "
+                         f"needs {byte_size(codebook)}, this machine has {byte_size(memory)} of memory")
+
+
+def load_weights(model: torch.nn.Module, weights: str, strict: bool = True, device: str = "cpu") -> None:
+    """The tensors of ``weights`` into ``model``, their dtypes and finiteness checked first (ValueErrors)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(weights, device=device)
+    except SafetensorError as err:
+        raise ValueError(f"cannot read the weights {weights!r} ({str(err).strip()[:200]})") from None
+    own = model.state_dict()
+    other = [(k, t.dtype, own[k].dtype) for k, t in tensors.items() if k in own and t.dtype != own[k].dtype]
+    if other:
+        name, got, expected = (str(x).replace("torch.", "") for x in other[0])
+        raise ValueError(f"the weights {weights!r} hold {name} as {got} (and {len(other) - 1} more tensors in another "
+                         f"dtype), the model has {expected}: a file re-saved in another precision encodes other codes; "
+                         "use the file the export wrote")
+    bad = [(name, int((~torch.isfinite(t)).sum()), t.numel()) for name, t in tensors.items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:  # a damaged file, or a training that diverged: such a model would load and decode without a word
+        name, count, total = bad[0]
+        more = f", and {len(bad) - 1} other tensor{'s' if len(bad) > 2 else ''}" if len(bad) > 1 else ""
+        raise ValueError(f"the weights {weights!r} hold values that are not finite (NaN or Inf): {count} of {total} "
+                         f"in {name}{more}; the file is damaged or its training diverged: export a healthy "
+                         "checkpoint")
+    try:
+        model.load_state_dict(tensors, strict=strict)
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        detail = "; ".join(lines[1:3] if len(lines) > 1 else lines)[:300]
+        raise ValueError(f"the weights {weights!r} do not fit the model config.json describes (another number of "
+                         f"codes, channels or quantizer? the two files must come from one export): {detail}") from None
+
+
+def latent_grid(config: Optional[Dict[str, Any]]) -> Optional[Tuple[int, int]]:
+    """(h, w) of the code grid the model was trained on (``config["data"]["latent_size"]``), or None."""
+    size = ((config or {}).get("data") or {}).get("latent_size")
+    if isinstance(size, int) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
+        return int(size[0]), int(size[1])
+    return None
+
+
+def index_maps(indices: Tensor, grid: Optional[Tuple[int, int]] = None) -> Tensor:
+    """(B, h, w) long index maps from (B, h, w) maps or flat (B, L) / (L,) integer sequences, laid out on ``grid``
+    (h, w), else on a square."""
+    if not isinstance(indices, Tensor):
+        raise ValueError(f"expected a tensor of code indices, got {type(indices).__name__}")
+    if indices.dtype not in INTEGER_DTYPES:
+        raise ValueError(f"expected integer code indices, got dtype {indices.dtype}")
+    if indices.ndim == 3:
+        return indices.long()
+    if indices.ndim not in (1, 2):
+        raise ValueError(f"expected code indices of shape (B, h, w) or flat (B, h*w), got shape {tuple(indices.shape)}")
+    flat = indices.reshape(1, -1) if indices.ndim == 1 else indices
+    length = flat.shape[1]
+    if grid is None:
+        side = math.isqrt(length)
+        if side * side != length:
+            raise ValueError(f"expected flat sequences whose length is h*w of a known grid; got length {length}, "
+                             "which is not square, and no grid: pass shape=(h, w)")
+        grid = (side, side)
+    h, w = grid
+    if h * w != length:
+        raise ValueError(f"expected flat sequences of h*w = {h}*{w} = {h * w} indices (the latent grid), "
+                         f"got {length} per sequence")
+    return flat.reshape(flat.shape[0], h, w).long()
+
+
+# ----------------------------------------------------------------------------- the model
 class ResidualBlock(nn.Module):
     """x + conv1x1(relu(conv3x3(relu(x)))), as in the VQ-VAE paper."""
 
@@ -101,8 +263,7 @@ def _readable(path: Path) -> None:
 
 
 def architecture(arch: str = "vqvae") -> tuple:
-    """(encoder class, decoder class) for a config's ``"arch"``: ``vqvae`` (this module's) or ``vqgan``
-    (diffusers' VQModel encoder/decoder, :mod:`ddcl_vq.models.vqgan`)."""
+    """(encoder class, decoder class) for a config's ``"arch"``: ``vqvae`` or ``vqgan`` (:mod:`.vqgan`)."""
     if arch == "vqvae":
         return Encoder, Decoder
     if arch == "vqgan":
@@ -121,31 +282,27 @@ def build_quantizer_from_config(quantizer_type: str, kwargs: Dict[str, Any]) -> 
 class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-vae", "image-tokenizer", "ddcl"]):
     """encoder -> quantizer -> decoder; any ``ddcl_vq.Quantizer`` (channel-first) plugs in.
 
-    ``VQVAE.from_config(config)`` builds one from plain constructor arguments and remembers them
-    (``model.config``), so it can ``save_pretrained`` / ``push_to_hub`` and be loaded with
-    ``VQVAE.from_pretrained``. The config::
+    ``VQVAE.from_config(config)`` builds one from plain constructor arguments and remembers them (``model.config``), so
+    it can ``save_pretrained`` / ``push_to_hub`` and be loaded with ``VQVAE.from_pretrained``. The config::
 
-        {"format": "ddcl-vq/vqvae",
-         "encoder_kwargs": {...Encoder arguments...}, "decoder_kwargs": {...Decoder arguments...},
-         "quantizer_type": "ddcl" | "hard" | "ema" | "vqp" | "fsq" | "simvq" | "lfq" | "ibq" | "fvq", "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+        {"format": "ddcl-vq/vqvae", "encoder_kwargs": {...}, "decoder_kwargs": {...},
+         "quantizer_type": one of QUANTIZER_TYPES, "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
 
-    ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ and schedule step, for reading:
-    the state itself is in the weights file) and keeps any other keys of ``model.config``
-    (``ddcl-vq export`` records the run, step and data there).
-    """
+    ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ, for reading: the state itself is in the weights) and
+    keeps any other keys of ``model.config`` (``ddcl-vq export`` records the run, step and data there)."""
 
     def __init__(self, encoder: nn.Module, quantizer: Quantizer, decoder: nn.Module):
         super().__init__()
         if getattr(quantizer, "channel_dim", 1) != 1:
-            raise ValueError(f"expected a channel-first quantizer (channel_dim=1), got channel_dim={quantizer.channel_dim}")
+            raise ValueError(f"expected a channel-first quantizer (channel_dim=1), got "
+                             f"channel_dim={quantizer.channel_dim}")
         self.encoder, self.quantizer, self.decoder = encoder, quantizer, decoder
         self.config: Optional[Dict[str, Any]] = None
 
     # -- sharing -------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "VQVAE":
-        """Build (untrained) from a config (see the class docstring); modules are built in the order
-        encoder, quantizer, decoder, so parameter initialisation follows the seed as in training."""
+        """Build (untrained) from a config: encoder, quantizer, decoder in that order, as in training."""
         missing = [k for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
                    if k not in config]
         if missing:
@@ -173,10 +330,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         return config
 
     def _save_pretrained(self, save_directory: Path) -> None:
-        """config.json + model.safetensors (tensors only: the quantizer's buffers and DDCL's float64
-        ``schedule`` entry included)."""
-        import json
-
+        """config.json + model.safetensors (tensors only, the quantizer's buffers included)."""
         from safetensors.torch import save_model
 
         config = self._pretrained_config()
@@ -186,10 +340,8 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "VQVAE":
-        """Load a folder written by ``save_pretrained`` / ``ddcl-vq export``, or a Hub id. Files that
-        are not what ``save_pretrained`` writes (a config.json that is not a JSON object or whose
-        sizes were edited, weights of another model, a truncated weights file) are a ValueError
-        saying so, raised before anything large is allocated (see :mod:`ddcl_vq.models.loading`)."""
+        """Load a folder written by ``save_pretrained`` / ``ddcl-vq export``, or a Hub id; files that are not what
+        ``save_pretrained`` writes are a ValueError raised before anything large is allocated."""
         source = str(pretrained_model_name_or_path)
         if os.path.isdir(source):
             config_file = os.path.join(source, "config.json")
@@ -201,7 +353,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                                           token=kwargs.get("token"),
                                           local_files_only=kwargs.get("local_files_only", False))
         if os.path.isfile(config_file):
-            check_config(read_config_file(config_file), repr(config_file), QUANTIZER_TYPES)
+            check_config(read_config_file(config_file), repr(config_file))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
@@ -224,7 +376,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                                       cache_dir=cache_dir, force_download=force_download, token=token,
                                       local_files_only=local_files_only)
         config = {k: v for k, v in config.items() if k not in ("quantizer_state", "ddcl_vq_version")}
-        check_config(config, f"the config.json of {model_id!r}", QUANTIZER_TYPES)
+        check_config(config, f"the config.json of {model_id!r}")
         check_size(config, safetensors_header(weights), weights)  # before anything is allocated
         try:
             model = cls.from_config(config)
@@ -234,8 +386,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         return model.eval()
 
     def latent_shape(self) -> Optional[Tuple[int, int]]:
-        """(h, w) of the code grid of the images the model was trained on, when its config records
-        it (an exported model, a run loaded by ddcl-vq); None otherwise."""
+        """(h, w) of the code grid of the images the model was trained on, when its config records it."""
         return latent_grid(self.config)
 
     def forward(self, x: Tensor) -> VQVAEOutput:
@@ -248,17 +399,14 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         return self.quantizer(self.encoder(x)).indices
 
     def decode_indices(self, indices: Tensor, shape: Optional[Tuple[int, int]] = None) -> Tensor:
-        """(B, h, w) indices, or flat (B, h·w) sequences (what a prior emits), of any integer dtype
-        (uint8/uint16 token files, int32, int64) -> (B, C, H, W) reconstruction from the hard codes.
-        A flat sequence is laid out on ``shape`` (h, w), else on the model's :meth:`latent_shape`,
-        else on a square grid; a length that does not fit is a ValueError."""
+        """(B, h, w) indices, or flat (B, h·w) sequences, of any integer dtype -> (B, C, H, W) reconstruction from the
+        hard codes; flat sequences are laid out on ``shape``, else :meth:`latent_shape`, else a square."""
         indices = index_maps(indices, shape or self.latent_shape())
         return self.decoder(self.quantizer.lookup(indices).to(next(self.decoder.parameters()).dtype))
 
     @torch.no_grad()
     def reconstruct(self, x: Tensor, codes: str = "hard") -> Tensor:
-        """Reconstruction from ``"hard"`` codes (what a prior or deployed decoder sees) or, for a
-        quantizer that has them (``quantizer.has_soft_codes``: DDCL), from ``"soft"`` codes ẑ."""
+        """Reconstruction from ``"hard"`` codes or, with ``quantizer.has_soft_codes`` (DDCL), ``"soft"`` codes ẑ."""
         z = self.encoder(x)
         if codes == "hard":
             return self.decoder(self.quantizer.lookup(self.quantizer(z).indices))

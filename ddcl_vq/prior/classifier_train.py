@@ -1,5 +1,4 @@
-"""The prior evaluation's feature classifier, trained on a dataset's training split (cached by
-``ddcl_vq.prior.classifier``, which measures samples in its features)."""
+"""The prior evaluation's feature classifier, trained on a dataset's training split."""
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -20,8 +19,7 @@ class ClassifierUnavailable(UserError, RuntimeError):
 
 def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", progress: bool = False
                      ) -> Tuple[SmallClassifier, Dict]:
-    """Train the feature classifier on the dataset's train split; -> (model in eval mode, info with
-    its test-split accuracy)."""
+    """-> (the feature classifier in eval mode, info with its test-split accuracy)."""
     from ddcl_vq.common.data import EpochBatches, build_dataset, image_channels, make_loader
     from ddcl_vq.common.progress import Progress
     train_set = build_dataset(data_cfg, "train", seed)

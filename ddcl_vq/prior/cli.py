@@ -13,15 +13,11 @@ from ddcl_vq.common.config import Options, Rules, option
 USAGE = """\
 usage: ddcl-vq prior SUBCOMMAND [ARGS ...]
 
-A prior over a tokenizer's codes makes the VQ-VAE a generative model:
+A prior over a tokenizer's codes makes the VQ-VAE a generative model (docs/guide/prior.md):
 
-  ddcl-vq train --config configs/fashion_ddcl.yaml
-  ddcl-vq tokenize runs/fashion_ddcl --split train --out tokens/train.npy
-  ddcl-vq tokenize runs/fashion_ddcl --split test --out tokens/test.npy
-  ddcl-vq prior train runs/fashion_ddcl --tokens tokens/train.npy --test tokens/test.npy \\
-      --config configs/prior_fashion.yaml run.dir=runs/prior_fashion
-  ddcl-vq prior sample runs/prior_fashion --count 100 --out samples.png
-  ddcl-vq prior evaluate runs/prior_fashion
+  ddcl-vq tokenize runs/fashion_ddcl --split train --out tokens/train.npy    (and --split test)
+  ddcl-vq prior train runs/fashion_ddcl --tokens tokens/train.npy --test tokens/test.npy run.dir=runs/prior
+  ddcl-vq prior sample runs/prior --count 100 --out samples.png
 
 subcommands:
   train     train (or resume) an autoregressive transformer over token files
@@ -78,8 +74,7 @@ TRAIN = Options(TrainOptions, prog="ddcl-vq prior train", description=TRAIN_HELP
 @entry_point("ddcl-vq prior train")
 def train_main(argv: Optional[List[str]] = None) -> int:
     opts = TRAIN.parse(argv)
-    from ddcl_vq.prior.train import train_prior
-    from ddcl_vq.prior.config import dump_config, load_prior_config
+    from ddcl_vq.prior.train import dump_config, load_prior_config, train_prior
     from ddcl_vq.prior.data import PriorData
     data = [f"data.tokenizer={opts.tokenizer}", f"data.train_tokens={opts.tokens}"]
     if opts.test:
@@ -103,7 +98,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
                   f"{t['bits_per_image']:.1f} bits/image")
         if not done:
             print("run the same command again to resume")
-        from ddcl_vq.common.hints import tensorboard_hint
+        from ddcl_vq.common.errors import tensorboard_hint
         print(f"TensorBoard: {tensorboard_hint(Path(summary['prior']) / 'tb')}")
     return 0
 
@@ -146,10 +141,9 @@ def sample_main(argv: Optional[List[str]] = None) -> int:
 
 # ----------------------------------------------------------------------------- evaluate
 @dataclass(kw_only=True)
-class EvaluateOptions:
-    prior_dir: str = option(help="a prior directory written by ddcl-vq prior train", positional=True)
-    test: List[str] = option(default_factory=list, help="test token file(s), comma-separated", sep=",",
-                             metavar="FILE[,FILE...]", default_text="the prior's data.test_tokens")
+class SamplingOptions:
+    """What ``prior evaluate`` samples and measures; also a prior study's ``evaluate`` section."""
+
     max_test: int = option(0, "first N maps of each test file (0 = all)")
     samples: int = option(1000, "images sampled for the Fréchet distance and class accuracy")
     real: int = option(0, "real test images the samples are compared with (0 = the whole test split)")
@@ -159,6 +153,13 @@ class EvaluateOptions:
     cache_dir: Optional[str] = option(None, "where the feature classifier is cached",
                                       default_text="$DDCL_VQ_CACHE or ~/.cache/ddcl-vq")
     classifier_steps: int = option(1000, "training steps of the feature classifier (part of its cache key)")
+
+
+@dataclass(kw_only=True)
+class EvaluateOptions(SamplingOptions):
+    prior_dir: str = option(help="a prior directory written by ddcl-vq prior train", positional=True)
+    test: List[str] = option(default_factory=list, help="test token file(s), comma-separated", sep=",",
+                             metavar="FILE[,FILE...]", default_text="the prior's data.test_tokens")
     device: str = option("auto", "cpu, cuda (auto: CUDA when available)")
     quiet: bool = option(False, "print only errors")
 
@@ -197,16 +198,14 @@ def _dispatch(argv: Optional[List[str]] = None) -> int:
         print(USAGE)
         return 0
     if argv[0] not in SUBCOMMANDS:
-        print(f"ddcl-vq prior: error: unknown subcommand {argv[0]!r}; expected one of: {', '.join([*SUBCOMMANDS, 'study'])}",
-              file=sys.stderr)
+        print(f"ddcl-vq prior: error: unknown subcommand {argv[0]!r}; expected one of: "
+              f"{', '.join([*SUBCOMMANDS, 'study'])}", file=sys.stderr)
         return 2
     return int(SUBCOMMANDS[argv[0]](argv[1:]) or 0)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``ddcl-vq prior SUBCOMMAND ...``. Every subcommand's main is wrapped in
-    :func:`ddcl_vq.common.errors.entry_point` (one-line errors as ``ddcl-vq prior SUB: error: ...``, exit 2;
-    ``--debug`` reaches it untouched); an unknown subcommand is a one-line error here."""
+    """``ddcl-vq prior SUBCOMMAND ...``: each subcommand's main is an :func:`~ddcl_vq.common.errors.entry_point`."""
     return _dispatch(argv)
 
 

@@ -1,10 +1,7 @@
-"""What a prior trains on: token files (read by :mod:`ddcl_vq.tokenizer.tokens`) and the tokenizer
-that wrote them (a run directory or an exported folder, loaded by :mod:`ddcl_vq.tokenizer.loaded`);
-:class:`PriorData` is what :func:`ddcl_vq.prior.train.train_prior` trains on."""
+"""What a prior trains on (:class:`PriorData`): token files and the tokenizer that wrote them."""
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -63,8 +60,7 @@ def load_tokens(path: str | Path, num_codes: int, what: str = "token file") -> T
 
 
 def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
-    """A token file's labels as int64: one per code map, integers (a float array only when every value is
-    whole), each >= 0 and below MAX_CLASSES — or all -1 (tokenize's "no labels"); PriorDataError otherwise."""
+    """A token file's labels as int64, one per code map, in [0, MAX_CLASSES) or all -1 (no labels)."""
     labels = labels.reshape(-1)
     if labels.shape[0] != count:
         raise PriorDataError(f"{where}: {labels.shape[0]} labels for {count} code maps")
@@ -96,10 +92,10 @@ class PriorData:
         self.tokenizer = tokenizer_info(cfg.data.tokenizer)
         k = self.tokenizer["num_codes"]
         self.train = load_tokens(cfg.data.train_tokens, k, "training token file")
-        latent = self.tokenizer.get("latent")
-        if latent and self.train.grid != (latent, latent):
+        grid = self.tokenizer["grid"]
+        if grid and self.train.grid != tuple(grid):
             raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
-                                 f"the tokenizer {cfg.data.tokenizer!r} makes {latent}x{latent} ones")
+                                 f"the tokenizer {cfg.data.tokenizer!r} makes {grid[0]}x{grid[1]} ones")
         self.test: List[Tokens] = []
         for path in cfg.data.test_tokens:
             tokens = load_tokens(path, k, "test token file")
@@ -124,31 +120,17 @@ class PriorData:
 
 
 def tokenizer_info(source: str | Path) -> Dict[str, Any]:
-    """-> {num_codes, data (a DataConfig for the tokenizer's dataset, or None), latent, source}: what a
-    prior needs to know about the model that tokenized its data. K is the loaded quantizer's
-    ``num_codes`` (what its indices range over), not the config's request."""
-    from ddcl_vq.tokenizer.config import DataConfig, load_config
+    """-> {source, num_codes (the loaded quantizer's), data (a DataConfig, or None), grid (h, w) or None} of a
+    tokenizer: a run directory or an exported model folder."""
+    from ddcl_vq.tokenizer.config import DataConfig
+    from ddcl_vq.tokenizer.tokens import load_source
     if not str(source).strip():
         raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
-    source = Path(source)
-    if (source / "config.yaml").is_file():
-        cfg = load_config(source / "config.yaml", migrate=True)
-        return {"source": str(source), "num_codes": load_tokenizer(source).quantizer.num_codes, "data": cfg.data,
-                "latent": cfg.data.image_size // 2 ** cfg.model.num_downsamples}
-    if (source / "config.json").is_file():
-        try:
-            d = json.loads((source / "config.json").read_text()).get("data") or {}
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise PriorDataError(f"cannot read the exported model's config {str(source / 'config.json')!r}: "
-                                 f"{err}") from None
-        data = DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d \
-            else None
-        return {"source": str(source), "num_codes": load_tokenizer(source).quantizer.num_codes, "data": data,
-                "latent": d.get("latent_size")}
-    raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
-                         "(config.json + model.safetensors)")
-
-
-def load_tokenizer(source: str | Path, device="cpu"):
-    from ddcl_vq.tokenizer.loaded import load_model
-    return load_model(source, device)
+    if not Path(source).is_dir():
+        raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
+                             "(config.json + model.safetensors)")
+    model, cfg, _ = load_source(source)
+    d = model.config.get("data") or {}
+    data = cfg.data if cfg is not None else \
+        DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d else None
+    return {"source": str(source), "num_codes": model.quantizer.num_codes, "data": data, "grid": model.latent_shape()}

@@ -1,18 +1,97 @@
-"""``ddcl-vq prior evaluate``: test NLL, and sample quality in a small classifier's feature space."""
+"""``ddcl-vq prior evaluate``: test NLL, and sample quality in a small classifier's feature space.
+
+A small CNN trained on the tokenizer's own dataset gives the feature space (its 128 penultimate features), and
+
+    FD = ||mu_a − mu_b||² + Tr(S_a + S_b − 2 (S_a S_b)^½)
+
+between the features of real test images and of samples: NOT Inception FID (see DEFINITIONS). The classifier is cached
+(``--cache-dir``; default ``$DDCL_VQ_CACHE`` or ``~/.cache/ddcl-vq``) under a name made of its dataset and settings.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
+from torch import Tensor
 
-from ddcl_vq.prior.classifier import ClassifierUnavailable, features, frechet_distance, get_classifier, predict, real_images
-from ddcl_vq.prior.data import load_tokenizer, load_tokens, tokenizer_info
+from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json
+from ddcl_vq.models.classifier import SmallClassifier
+from ddcl_vq.prior.classifier_train import ClassifierUnavailable, dataset_tensors, predict, train_classifier
+from ddcl_vq.prior.data import load_tokens, tokenizer_info
 from ddcl_vq.prior.sampling import sample_codes
 from ddcl_vq.prior.train import load_prior, nll_bits
+
+ARCH = "cnn3-16-32-64-v1"   # bump when the architecture or training recipe changes: old caches are not reused
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DDCL_VQ_CACHE") or Path.home() / ".cache" / "ddcl-vq")
+
+
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Fréchet distance between Gaussians fitted to two feature sets (N, F) and (M, F), in float64
+    (Tr((S_a S_b)^½) = Σ √eig(S_a^½ S_b S_a^½))."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"expected two (N, F) feature arrays with the same F, got {a.shape} and {b.shape}")
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"expected at least 2 vectors per set, got {len(a)} and {len(b)}")
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    s_a, s_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    w, v = np.linalg.eigh(s_a)
+    root_a = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    m = root_a @ s_b @ root_a
+    trace_root = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    fd = float(((mu_a - mu_b) ** 2).sum() + np.trace(s_a) + np.trace(s_b) - 2 * trace_root)
+    return max(fd, 0.0)
+
+
+def _key(data_cfg, steps: int, seed: int) -> Tuple[str, Dict]:
+    spec = {"arch": ARCH, "dataset": data_cfg.name, "image_size": data_cfg.image_size, "steps": steps, "seed": seed,
+            "batch_size": 128, "lr": 2e-3}
+    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    return f"classifier_{data_cfg.name}_{data_cfg.image_size}_{digest}.pt", spec
+
+
+def real_images(data_cfg, split: str = "test", max_images: int = 0, seed: int = 0) -> Tuple[Tensor, Tensor]:
+    """The first ``max_images`` images (0 = all) of a split and their labels."""
+    from ddcl_vq.common.data import build_dataset
+    return dataset_tensors(build_dataset(data_cfg, split, seed), max_images)
+
+
+def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int = 1000, seed: int = 0,
+                   device="cpu", progress: bool = False) -> Tuple[SmallClassifier, Dict]:
+    """The cached classifier for this dataset and settings, trained (and cached) when missing."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    name, spec = _key(data_cfg, steps, seed)
+    path = cache / name
+    if path.is_file():
+        try:
+            state = load_checkpoint(path)
+            info = state["info"]
+            model = SmallClassifier(info["channels"], info["classes"], data_cfg.image_size)
+            model.load_state_dict(state["model"])
+            return model.to(device).eval(), {**info, "cache": str(path), "cached": True}
+        except (CheckpointError, KeyError, RuntimeError):
+            pass  # an unreadable or stale cache entry: train again and replace it
+    model, info = train_classifier(data_cfg, steps, seed, device, progress)
+    info = {**info, **spec}
+    save_checkpoint({"model": model.state_dict(), "step": steps, "info": info}, path)
+    return model, {**info, "cache": str(path), "cached": False}
+
+
+@torch.no_grad()
+def features(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> np.ndarray:
+    return torch.cat([model.features(images[i:i + batch_size].to(device)).cpu()
+                      for i in range(0, len(images), batch_size)]).double().numpy()
+
 
 DEFINITIONS = """\
 bits/token      = mean over every code of the test token file of -log2 p(code | class, earlier codes
@@ -35,6 +114,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
     from torchvision.utils import save_image
     from ddcl_vq.tokenizer.decode import decode_indices
+    from ddcl_vq.tokenizer.tokens import load_model
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
     result: Dict = {"prior": str(prior_dir), "step": meta["step"], "num_codes": model.num_codes,
@@ -49,7 +129,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         first_test = first_test or tokens
     result.update(nll=nll[0] if nll else None, nll_files=nll)
 
-    decoder = load_tokenizer(cfg.data.tokenizer, device)
+    decoder = load_model(cfg.data.tokenizer, device)
     labels = torch.arange(samples) % model.num_classes if model.num_classes else None
     t0 = time.perf_counter()
     codes = sample_codes(model, samples, labels, temperature, top_k, seed, batch_size, device)
@@ -92,7 +172,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                                         "classifier_on_real": info["test_accuracy"]}
     result["definitions"] = DEFINITIONS
     if write:
-        (prior_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(prior_dir / "eval.json", result)
     return result
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ddcl_vq.models.prior import CodePrior
+from ddcl_vq.models.vqvae import byte_size
 from ddcl_vq.common.errors import UserError
 
 
@@ -17,8 +18,7 @@ class SampleError(UserError, ValueError):
 
 
 def sample_labels(model: CodePrior, count: int, klass: Optional[int] = None) -> Optional[torch.Tensor]:
-    """The classes to sample: ``klass`` for every map, else 0, 1, …, C−1, 0, 1, … (a grid with C
-    images per row shows one class per column); None for an unconditional prior."""
+    """The classes to sample: ``klass`` for every map, else 0, 1, …, C−1, 0, 1, …; None for an unconditional prior."""
     if not model.num_classes:
         if klass is not None:
             raise SampleError("--class: this prior is unconditional (its tokens had no labels)")
@@ -48,20 +48,15 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
                     temperature: float = 1.0, top_k: int = 0, seed: int = 0, nrow: Optional[int] = None,
                     tokenizer: Optional[str] = None, device: str = "cpu") -> Dict:
     """Sample ``count`` maps, write their codes (OUT.npy, labels in OUT.labels.npy) and decoded grid (OUT)."""
-    from torchvision.utils import save_image
-    from ddcl_vq.tokenizer.decode import decode_indices
-    from ddcl_vq.tokenizer.tokens import check_out, index_dtype, write_tokens
-    from ddcl_vq.prior.data import load_tokenizer
+    from ddcl_vq.tokenizer.decode import decode_indices, save_png
+    from ddcl_vq.tokenizer.tokens import check_out, index_dtype, load_model, write_tokens
     from ddcl_vq.prior.train import load_prior
-    out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise SampleError(f"expected --out to end in .png, got {str(out)!r}")
-    check_out(out, "--out")  # a folder in its place, or a file in the way of its folder: before sampling
+    out = check_out(out, "--out", suffix=".png")  # a folder in its place, or a file in the way of its folder
     if count <= 0:
         raise SampleError(f"--count: expected a number > 0, got {count}")
     cfg, model, meta = load_prior(prior_dir, device)
     source = tokenizer or cfg.data.tokenizer
-    decoder = load_tokenizer(source, device)
+    decoder = load_model(source, device)
     if decoder.quantizer.num_codes != model.num_codes:
         raise SampleError(f"the tokenizer {source!r} has K = {decoder.quantizer.num_codes} codes, the prior "
                           f"K = {model.num_codes}")
@@ -71,9 +66,8 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     codes = sample_codes(model, count, labels, temperature, top_k, seed, device=device)
     seconds = time.perf_counter() - t0
     images = decode_indices(decoder, codes.numpy(), device=device)
-    out.parent.mkdir(parents=True, exist_ok=True)
     nrow = nrow or (model.num_classes if labels is not None and klass is None and count >= model.num_classes else 8)
-    save_image(images, str(out), nrow=nrow, padding=2)
+    save_png(images, out, nrow)
     tokens_path = out.with_suffix(".npy")
     write_tokens(tokens_path, codes.numpy().astype(index_dtype(model.num_codes)),
                  None if labels is None else labels.numpy().astype(np.int64))
@@ -83,8 +77,7 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
 
 
 def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
-    """Refuse, before sampling, a ``count`` whose codes, decoded images and PNG grid (all held at once) need
-    more memory than this machine has available; the message gives both figures."""
+    """Refuse, before sampling, a ``count`` whose codes, images and grid need more memory than is available."""
     from ddcl_vq.tokenizer.decode import decode_indices
     from ddcl_vq.tokenizer.memory import available_bytes
     one = decode_indices(decoder, np.zeros((1, model.height, model.width), np.int64), device=device)
@@ -92,16 +85,9 @@ def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
     need, free = count * per_map, available_bytes(torch.device("cpu"))
     if free is not None and need > free:
         fits = max(free // per_map // 2, 1)
-        raise SampleError(f"--count {count:,}: the codes, decoded images and PNG grid need about {_size(need)} of "
-                          f"memory at once, this machine has {_size(free)} available; sample fewer (--count "
+        raise SampleError(f"--count {count:,}: the codes, decoded images and PNG grid need about {byte_size(need)} of "
+                          f"memory at once, this machine has {byte_size(free)} available; sample fewer (--count "
                           f"{fits:,} fits with room to spare; other --seed values give other samples)")
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
 
 
 def time_sampling(model: CodePrior, count: int = 64, use_cache: bool = True, repeats: int = 1,
@@ -115,3 +101,28 @@ def time_sampling(model: CodePrior, count: int = 64, use_cache: bool = True, rep
         times.append(time.perf_counter() - t0)
     seconds = float(np.median(times))
     return seconds, count * model.length / seconds
+
+
+def bench_prior(device: str = "cpu", count: int = 64, num_codes: int = 1024, grid: int = 8, repeats: int = 3,
+                no_cache: bool = True) -> Tuple[List[Dict], str]:
+    """The prior row of ``ddcl-vq bench``: how fast the default prior (freshly initialised, 10 classes) samples
+    ``count`` maps of ``grid`` x ``grid`` tokens, with and without the KV cache -> (rows, a few lines of text)."""
+    from ddcl_vq.prior.train import PriorConfig
+    m = PriorConfig().model
+    torch.manual_seed(0)
+    model = CodePrior(num_codes, grid, grid, 10, dim=m.dim, layers=m.layers, heads=m.heads, mlp_ratio=m.mlp_ratio,
+                      dropout=m.dropout).to(device).eval()
+    rows = []
+    for name, cache in (("prior-sample-kvcache", True), ("prior-sample-nocache", False)):
+        if not cache and not no_cache:
+            continue
+        runs = repeats if cache else 1  # without the cache it is O(L^3): one run says enough
+        time_sampling(model, min(count, 8), cache, 1, device)  # warm-up
+        seconds, rate = time_sampling(model, count, cache, runs, device)
+        rows.append({"impl": name, "images": count, "tokens": count * grid * grid, "K": num_codes, "dim": m.dim,
+                     "layers": m.layers, "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1), "repeats": runs})
+    text = [f"prior sampling (default prior: dim {m.dim}, {m.layers} layers, {m.heads} heads; K = {num_codes}, "
+            f"{grid}x{grid} tokens, class-conditional; {torch.get_num_threads()} thread(s)):"]
+    text += [f"  {r['impl']:<22} {r['images']} images in {r['seconds']:.2f} s  ({r['tokens_per_s']:,.0f} tokens/s, "
+             f"median of {r['repeats']})" for r in rows]
+    return rows, "\n".join(text)

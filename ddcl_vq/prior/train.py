@@ -1,49 +1,117 @@
-"""The prior's training loop: an autoregressive transformer over a tokenizer's code maps.
-
-Run inside :class:`~ddcl_vq.common.skeleton.TrainingRun`, like the tokenizer's loop: the prior directory holds
-``config.yaml`` (resolved), ``checkpoints/last.pt`` (+ periodic ones), ``tb/``, ``metrics.jsonl`` and ``summary.json``;
-one training at a time; SIGTERM/SIGINT save a checkpoint. Resume: the same command continues from the newest checkpoint
-(model, optimizer, schedule, RNG, and the data order: batches come from :class:`~ddcl_vq.common.data.EpochBatches`, so a
-resumed run sees exactly the batches a straight run would). Only :data:`~.prior_config.RESUMABLE` settings may change,
-and the training tokens must be the same codes (checked by content, not by path). torchrun: the model is wrapped in
-DistributedDataParallel, ``train.batch_size`` is the global batch.
-
-The code maps come from ``load_data(cfg)`` (``ddcl_vq.prior.data.PriorData``, which reads token files and the
-tokenizer; called after the seed is set, since loading the tokenizer builds a model), an object with ``train`` and
-``test`` (``Tokens``: ``codes`` (N, h, w) long, ``labels`` (N,) or None, ``grid``, ``path``), ``num_codes``,
-``num_classes`` and ``meta()``.
+"""The prior's config (configs/prior_fashion.yaml's keys) and training loop: an autoregressive transformer over a
+tokenizer's code maps (N, h, w), run inside :class:`~ddcl_vq.common.skeleton.TrainingRun`; a resumed prior may change
+only :data:`RESUMABLE` settings and must train on the same codes (checked by content).
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ddcl_vq.models.prior import CodePrior
 
-from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_into
+from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_into, write_json
 from ddcl_vq.common.data import EpochBatches
+from ddcl_vq.common.config import (ConfigError, Rules, apply, apply_overrides, check, check_finite, differences,
+                                   dump_config, keys_of, read_yaml_mapping)
 from ddcl_vq.common.errors import Diverged, UserError
-from ddcl_vq.prior.config import RESUMABLE, PriorConfig, differences, dump_config, from_dict
 from ddcl_vq.common.rundir import RunDirError, note
 from ddcl_vq.common.skeleton import TrainingRun, lr_schedule, wrap_ddp
 
 LN2 = math.log(2.0)
 
 
+# ----------------------------------------------------------------------------- the prior's config
+# configs/prior_fashion.yaml + dotted overrides; ``ddcl-vq prior train``'s tokenizer, --tokens and --test land in data.*
+@dataclass
+class PriorRunConfig:
+    name: str = "prior_fashion"
+    dir: str = "runs/prior_fashion"          # config.yaml, checkpoints/, tb/, metrics.jsonl, eval.json
+    seed: int = 0
+
+
+@dataclass
+class PriorDataConfig:
+    tokenizer: str = ""                      # the run directory or exported folder that made the tokens
+    train_tokens: str = ""                   # .npy or .safetensors written by ddcl-vq tokenize
+    test_tokens: List[str] = field(default_factory=list)   # held-out token files (NLL while training, evaluate)
+
+
+@dataclass
+class PriorModelConfig:
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    class_conditional: bool = True           # a class token first when the tokens have labels
+
+
+@dataclass
+class PriorTrainConfig:
+    steps: int = 2000
+    batch_size: int = 64                     # global batch of code maps (split over torchrun processes)
+    lr: float = 1.0e-3                       # AdamW
+    weight_decay: float = 0.01               # on weight matrices and embeddings, not on biases or norms
+    warmup_steps: int = 100                  # linear warm-up, then lr_schedule
+    lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr)
+    grad_clip: float = 1.0                   # max global grad norm; 0 = off
+    log_every: int = 25
+    checkpoint_every: int = 250
+    eval_every: int = 500                    # test NLL on the first eval_images maps of data.test_tokens
+    eval_images: int = 2000
+    device: str = "auto"                     # auto | cpu | cuda
+
+
+@dataclass
+class PriorConfig:
+    run: PriorRunConfig = field(default_factory=PriorRunConfig)
+    data: PriorDataConfig = field(default_factory=PriorDataConfig)
+    model: PriorModelConfig = field(default_factory=PriorModelConfig)
+    train: PriorTrainConfig = field(default_factory=PriorTrainConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+RULES = Rules(choices={"train.lr_schedule": ("constant", "cosine"), "train.device": ("auto", "cpu", "cuda")},
+              positive={"model.dim", "model.layers", "model.heads", "model.mlp_ratio", "train.steps", "train.lr",
+                        "train.batch_size", "train.log_every", "train.checkpoint_every", "train.eval_every"},
+              non_negative={"model.dropout", "train.weight_decay", "train.warmup_steps", "train.grad_clip",
+                            "train.eval_images"}, seeds={"run.seed"})
+#: settings that may change when a prior resumes: how long it trains, what it logs, where things are
+RESUMABLE = ("train.steps", "train.log_every", "train.checkpoint_every", "train.eval_every", "train.eval_images",
+             "train.device", "run.dir", "run.name", "data.tokenizer", "data.train_tokens", "data.test_tokens")
+KEYS = keys_of(PriorConfig())
+
+
+def from_dict(raw: Dict[str, Any]) -> PriorConfig:
+    cfg = PriorConfig()
+    apply(cfg, raw or {})
+    check_finite(cfg)
+    check(cfg, RULES)
+    if cfg.model.dim % cfg.model.heads:
+        raise ConfigError(f"config key 'model.heads': expected a divisor of model.dim={cfg.model.dim}, got "
+                          f"{cfg.model.heads}")
+    if not cfg.model.dropout < 1:
+        raise ConfigError(f"config key 'model.dropout': expected a value < 1, got {cfg.model.dropout}")
+    return cfg
+
+
+def load_prior_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> PriorConfig:
+    """YAML file (optional; built-in defaults without) + dotted overrides -> validated PriorConfig."""
+    raw = read_yaml_mapping(Path(path), "config file") if path is not None else {}
+    return from_dict(apply_overrides(raw, overrides, KEYS))
+
+
 class PriorDataError(UserError, ValueError):
     """Token files or tokenizer that a prior cannot use as asked."""
-
-
-def build_prior(cfg: PriorConfig, num_codes: int, grid: Tuple[int, int], num_classes: int) -> CodePrior:
-    m = cfg.model
-    return CodePrior(num_codes, grid[0], grid[1], num_classes, dim=m.dim, layers=m.layers, heads=m.heads,
-                     dropout=m.dropout, mlp_ratio=m.mlp_ratio)
 
 
 def build_optimizer(model: CodePrior, cfg: PriorConfig) -> torch.optim.Optimizer:
@@ -56,9 +124,8 @@ def build_optimizer(model: CodePrior, cfg: PriorConfig) -> torch.optim.Optimizer
 
 @torch.no_grad()
 def nll_bits(model: CodePrior, tokens: Any, batch_size: int = 500, max_images: int = 0, device="cpu") -> Dict:
-    """Negative log-likelihood of the code maps under the prior: {bits_per_token, bits_per_image,
-    num_images, num_tokens}. bits/token = mean over every code of −log2 p(code | class, earlier codes);
-    bits/image = bits/token x L (L = h·w codes per image)."""
+    """Test NLL -> {bits_per_token (mean −log2 p(code | class, earlier codes)), bits_per_image (x h·w), num_images,
+    num_tokens}."""
     n = len(tokens.codes) if not max_images else min(max_images, len(tokens.codes))
     was = model.training
     model.eval()
@@ -102,8 +169,7 @@ def check_resume(state: Dict, cfg: PriorConfig, data_meta: Dict, prior_dir: Path
 
 def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet: bool = False,
                 stop_after: Optional[int] = None) -> Dict:
-    """Train (or resume) the prior ``cfg`` describes on ``load_data(cfg)`` (see the module docstring);
-    -> summary (also PRIOR_DIR/summary.json)."""
+    """Train (or resume) the prior ``cfg`` describes on ``load_data(cfg)``; -> summary (also PRIOR_DIR/summary.json)."""
     t = cfg.train
     run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
                       name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict())
@@ -114,11 +180,13 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
         meta = data.meta()
         if len(data.train.codes) < t.batch_size:
             raise PriorDataError(f"training token file {data.train.path!r} holds {len(data.train.codes)} code maps, "
-                                 f"fewer than one batch (train.batch_size={t.batch_size}); lower train.batch_size or tokenize "
-                                 "more of the split (--max-images)")
+                                 f"fewer than one batch (train.batch_size={t.batch_size}); lower train.batch_size or "
+                                 "tokenize more of the split (--max-images)")
         found = run.latest()
         notes = check_resume(found[0], cfg, meta, run.dir) if found else []
-        model = build_prior(cfg, data.num_codes, data.train.grid, data.num_classes).to(device)
+        m = cfg.model
+        model = CodePrior(data.num_codes, *data.train.grid, data.num_classes, dim=m.dim, layers=m.layers,
+                          heads=m.heads, dropout=m.dropout, mlp_ratio=m.mlp_ratio).to(device)
         optimizer = build_optimizer(model, cfg)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(t.steps, t.lr_schedule, t.warmup_steps))
         run.keep(model=model, optimizer=optimizer, scheduler=scheduler)
@@ -173,7 +241,7 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
             summary["test"] = last_test or nll_bits(model, test, max_images=t.eval_images, device=device)
             summary["test"]["file"] = test.path
         if is_main:
-            (run.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_json(run.dir / "summary.json", summary)
         return summary
 
 

@@ -1,5 +1,2 @@
-"""``ddcl-vq study``: train every arm of a study config, evaluate, compare, report.
-
-Modules: ``config`` (the study YAML, documented there, and every arm's training config), ``run`` (training, evaluating
-and comparing the arms; interrupted studies resume), ``report`` (report.md), ``cli`` (the command and its options).
-"""
+"""Many runs at once: ``ddcl-vq study`` (:mod:`.study`, :mod:`.parts`, :mod:`.report`), ``compare`` (:mod:`.tables`,
+:mod:`.plots`, :mod:`.freshness`), the prior's study (:mod:`.prior_study`), ``bench/`` and ``readout/``."""

@@ -6,14 +6,12 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.hints import where
+from ddcl_vq.common.errors import entry_point, where
 from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.common.threads import set_threads, threads_option
 
-from ddcl_vq.studies import config
-from ddcl_vq.studies.config import load_study
-from ddcl_vq.studies.run import arm_status, run_study
+from ddcl_vq.studies import study as study_module
+from ddcl_vq.studies.study import arm_status, load_study, run_study
 
 
 @dataclass(kw_only=True)
@@ -39,7 +37,7 @@ class StudyOptions:
                                   nargs="*", metavar="key=value")
 
 
-OPTIONS = Options(StudyOptions, prog="ddcl-vq study", description=config.__doc__, intermixed=True,
+OPTIONS = Options(StudyOptions, prog="ddcl-vq study", description=study_module.__doc__, intermixed=True,
                   rules=Rules(positive={"jobs"}, non_negative={"threads"}))
 
 
@@ -58,8 +56,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = (run_parts if study.parts else run_study)(study, train_arms=not opts.report_only, progress=True,
                                                        verbose=opts.verbose, command=command, jobs=opts.jobs,
                                                        threads=opts.threads)
-    from ddcl_vq.studies.compare import markdown_table
-    from ddcl_vq.studies.aggregate import mean_sd_table
+    from ddcl_vq.studies.tables import markdown_table, mean_sd_table
     if study.parts:
         print(result["summary"])
     else:

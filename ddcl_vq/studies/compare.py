@@ -13,9 +13,6 @@ into DIR, all at once when everything is computed (nothing partial is left on a 
   reconstructions.png                   the same test images decoded from each run's hard codes
   evals/                                evaluations compare made that it could not keep in a run
                                         directory (read-only, or holding an `evaluate` result)
-
-Modules: :mod:`.freshness` (which evaluation to reuse), :mod:`.tables`, :mod:`.plots`,
-:mod:`.runlog` (metrics.jsonl); this one runs them and is the command.
 """
 from __future__ import annotations
 
@@ -32,32 +29,23 @@ from ddcl_vq.common.data import SPLITS
 from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.rundir import writable_dir
 from ddcl_vq.common.config import Options, Rules, option
-from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
 from ddcl_vq.common.threads import set_threads, threads_option
-
-from ddcl_vq.tokenizer.evaluate import EvaluateError
+from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, EvaluateError
 from ddcl_vq.studies.freshness import ensure_eval, needs_eval
 from ddcl_vq.tokenizer.metrics import definitions
-from ddcl_vq.studies.plots import (plot_psnr_vs_utilization, plot_reconstructions, plot_usage_histograms,
-                    plot_usage_over_training, write_plots)
-from ddcl_vq.common.runlog import ms_per_step, read_metrics, train_seconds
-from ddcl_vq.studies.tables import (COLUMN_DEFINITIONS, COLUMNS, make_row, markdown_table, settings_text, table_footer,
-                     unique_names, write_csv, write_tables)
+from ddcl_vq.studies.plots import write_plots
+from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, make_row, markdown_table, unique_names, write_tables
 
-__all__ = ["compare", "evaluate_runs", "check_one_dataset", "CompareWriteError", "main", "ensure_eval", "needs_eval",
-           "COLUMNS", "COLUMN_DEFINITIONS", "make_row", "markdown_table", "settings_text", "table_footer",
-           "unique_names", "write_csv", "write_tables", "write_plots", "plot_usage_histograms",
-           "plot_usage_over_training", "plot_psnr_vs_utilization", "plot_reconstructions", "read_metrics",
-           "train_seconds", "ms_per_step"]
+__all__ = ["compare", "check_one_dataset", "CompareWriteError", "main", "needs_eval"]
+
 
 def dataset_of(run_dir: Path) -> str:
-    """What a run was trained and is evaluated on, as compare tells datasets apart:
-    ``name CxSxS`` (and the folder, for image_folder; the test photographs, for natural_patches)."""
+    """A run's dataset as compare tells them apart: ``name CxSxS`` (+ image_folder's folder, the test photographs)."""
     from ddcl_vq.tokenizer.config import load_config
     from ddcl_vq.common.data import image_channels
     if not (Path(run_dir) / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
-    data = load_config(Path(run_dir) / "config.yaml", migrate=True).data
+    data = load_config(Path(run_dir) / "config.yaml").data
     text = f"{data.name} {image_channels(data)}x{data.image_size}x{data.image_size}"
     if data.name == "image_folder":
         text += f" from {str(Path(data.root).expanduser().resolve())!r}"
@@ -67,31 +55,16 @@ def dataset_of(run_dir: Path) -> str:
 
 
 def check_one_dataset(run_dirs: Sequence[Path]) -> str:
-    """The dataset every run shares, or an EvaluateError naming which run has which (a table and
-    reconstructions across datasets would compare numbers that measure different things)."""
+    """The dataset every run shares, or an EvaluateError naming which run has which."""
     found = {Path(d): dataset_of(d) for d in run_dirs}
     kinds = sorted(set(found.values()))
+    if not kinds:
+        raise EvaluateError("expected at least one run directory to compare")
     if len(kinds) > 1:
         groups = "; ".join(f"{kind}: {', '.join(str(d) for d, k in found.items() if k == kind)}" for kind in kinds)
         raise EvaluateError(f"the runs were trained on different datasets ({groups}); compare runs of one dataset "
                             "at a time")
     return kinds[0]
-
-
-def evaluate_runs(run_dirs: Sequence[str | Path], split: str = "test", max_images: int = 0,
-                  batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None,
-                  progress: bool = False, store: Optional[Path] = None) -> tuple[List[Dict], List[Dict]]:
-    """(rows, evals): every run evaluated when needed (:func:`ensure_eval`), one table row each."""
-    run_dirs = [Path(d) for d in run_dirs]
-    if not run_dirs:
-        raise EvaluateError("expected at least one run directory to compare")
-    for d in run_dirs:
-        if not d.is_dir():
-            raise EvaluateError(f"run directory {str(d)!r} does not exist")
-    check_one_dataset(run_dirs)
-    names = list(names) if names is not None else unique_names(run_dirs)
-    evals = [ensure_eval(d, split, max_images, batch_size, progress, store=store) for d in run_dirs]
-    return [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names)], evals
 
 
 class CompareWriteError(EvaluateError):
@@ -105,18 +78,16 @@ class CompareWriteError(EvaluateError):
 def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "test", max_images: int = 0,
             batch_size: int = EVAL_BATCH_SIZE, names: Optional[Sequence[str]] = None, grid_images: int = 8,
             progress: bool = False, command: Optional[str] = None) -> List[Dict]:
-    """Evaluate (when needed) and compare ``run_dirs``; writes tables and plots into ``out_dir``
-    (checked writable before any evaluation; CompareWriteError, holding the rows, when writing fails).
-
-    Tables and plots are made in a hidden folder inside ``out_dir`` and moved into place only when
-    all of them are done, so a failure leaves the folder as it was."""
+    """Evaluate (when needed) and compare ``run_dirs`` into ``out_dir``, all files moved into place at the end
+    (CompareWriteError, holding the rows, when writing fails)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         if not d.is_dir():
             raise EvaluateError(f"run directory {str(d)!r} does not exist")
     check_one_dataset(run_dirs)  # before any evaluation or output
     out = writable_dir(Path(out_dir), "--out")  # before the evaluations
-    rows, evals = evaluate_runs(run_dirs, split, max_images, batch_size, names, progress, store=out / "evals")
+    evals = [ensure_eval(d, split, max_images, batch_size, progress, store=out / "evals") for d in run_dirs]
+    rows = [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names or unique_names(run_dirs))]
     staging = Path(tempfile.mkdtemp(prefix=".compare-", dir=out))
     try:
         try:
@@ -133,8 +104,7 @@ def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "t
 
 
 def distinct_runs(run_dirs: Sequence[str]) -> List[str]:
-    """``run_dirs`` with a run given twice (the same folder under one path or another) kept once, and a note
-    on stderr saying so: a table lists each run once."""
+    """``run_dirs`` with a run given twice kept once, with a note on stderr."""
     kept: Dict[Path, str] = {}
     for d in run_dirs:
         key = Path(d).resolve()
@@ -158,7 +128,7 @@ class CompareOptions:
     threads: Optional[int] = threads_option()
 
 
-OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__.split("\nModules:")[0],
+OPTIONS = Options(CompareOptions, prog="ddcl-vq compare", description=__doc__,
                   rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
                               non_negative={"max_images", "grid_images"}))
 

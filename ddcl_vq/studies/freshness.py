@@ -1,14 +1,9 @@
 """Which evaluation of a run ``ddcl-vq compare`` (and ``study``) may reuse, and where its own go.
 
-An evaluation is reused only when it was made exactly as asked: from the run's newest checkpoint
-(same step, same file name and the same bytes: ``checkpoint_sha256``, not file times, which
-``cp -p`` or a restored backup keep or fake), on the same split and number of images, without
-config overrides. Where a fresh one is looked for, and where a new one is written:
-
-- RUN_DIR/eval.json, unless it holds a result ``ddcl-vq evaluate`` made (compare never
-  overwrites those, e.g. an ``evaluate --max-images 16`` kept beside ``compare --max-images 8``)
-  or the run directory cannot be written (an archived, read-only run);
-- otherwise ``STORE/<run name>-<path hash>.json``: compare's STORE is ``OUT/evals``.
+An evaluation is reused only when it was made exactly as asked: from the run's newest checkpoint (same step, name and
+bytes), on the same split and number of images, without config overrides. It is looked for and written in
+RUN_DIR/eval.json, unless that holds an ``evaluate`` result or cannot be written; else in
+``STORE/<run name>-<path hash>.json`` (compare's STORE is ``OUT/evals``).
 """
 from __future__ import annotations
 
@@ -17,16 +12,13 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
-
-from ddcl_vq.tokenizer.evaluate import evaluate_run, file_digest, write_eval
+from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, evaluate_run, file_digest, write_eval
 
 
 def current_checkpoint(run_dir: Path) -> Optional[Tuple[int, Path]]:
-    """(step, path) of the checkpoint an evaluation of ``run_dir`` would read now; None when there
-    is none or none is readable (evaluate_run then says why)."""
+    """(step, path) of the checkpoint an evaluation of ``run_dir`` would read now, or None."""
     from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint
     try:
         found = latest_checkpoint(run_dir / "checkpoints")  # None when there is none (no folder either)
@@ -67,18 +59,8 @@ def needs_eval(run_dir: Path, split: str, max_images: int, overrides: Sequence[s
     return not is_fresh(read_eval(run_dir / "eval.json"), current_checkpoint(run_dir), split, max_images, overrides)
 
 
-def made_by_evaluate(ev: Optional[Dict]) -> bool:
-    """Whether ``ev`` is a result of ``ddcl-vq evaluate`` (or ``evaluate_run`` called directly)."""
-    if ev is None:
-        return False
-    if "made_by" in ev:
-        return ev["made_by"] == "evaluate"
-    return str(ev.get("command", "")).startswith("ddcl-vq evaluate")  # older files: by their command
-
-
 def can_write(folder: Path) -> bool:
-    """Whether a file can be created in ``folder`` (tried, not judged by permission bits: root
-    ignores those, a read-only mount does not)."""
+    """Whether a file can be created in ``folder`` (tried, not judged by permission bits)."""
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
             return True
@@ -93,27 +75,25 @@ def stored_path(store: Path, run_dir: Path) -> Path:
     return Path(store) / f"{name}-{key}.json"
 
 
-def places(run_dir: Path, store: Optional[Path]) -> List[Path]:
-    """Where a fresh evaluation of ``run_dir`` may be: RUN_DIR/eval.json, then the store's file."""
-    return [Path(run_dir) / "eval.json"] + ([stored_path(store, run_dir)] if store is not None else [])
-
-
 def ensure_eval(run_dir: Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
                 progress: bool = False, *, store: Optional[Path] = None, command: Optional[str] = None,
-                made_by: str = "compare") -> Dict:
-    """A fresh evaluation of ``run_dir`` (reused, or made now and written where the module
-    docstring says; with neither a writable run directory nor a store, kept in memory only)."""
+                made_by: str = "compare", overrides: Sequence[str] = (), path: Optional[Path] = None) -> Dict:
+    """A fresh evaluation of ``run_dir``, reused or made now and written where the module docstring says. With
+    ``path`` (a held-out evaluation under data ``overrides``) only that file is looked for and written."""
     run_dir = Path(run_dir)
     checkpoint = current_checkpoint(run_dir)
-    for path in places(run_dir, store):
-        ev = read_eval(path)
-        if is_fresh(ev, checkpoint, split, max_images):
+    for found in [path] if path else [run_dir / "eval.json"] + ([stored_path(store, run_dir)] if store else []):
+        ev = read_eval(found)
+        if is_fresh(ev, checkpoint, split, max_images, overrides):
             return ev
-    ev = evaluate_run(run_dir, split, max_images, batch_size, progress=progress, write=False, made_by=made_by,
-                      command=command or f"ddcl-vq {made_by} (evaluation of {run_dir}: --split {split} "
-                                         f"--max-images {max_images} --batch-size {batch_size})")
-    here = run_dir / "eval.json"
-    if not made_by_evaluate(read_eval(here)) and can_write(run_dir):
+    ev = evaluate_run(run_dir, split, max_images, batch_size, overrides=list(overrides), progress=progress,
+                      write=False, made_by=made_by,
+                      command=command or f"ddcl-vq {made_by} (evaluation of {run_dir}: --split {split} --max-images "
+                                         f"{max_images} --batch-size {batch_size}{''.join(' ' + o for o in overrides)}"
+                                         ")")
+    if path is not None:
+        write_eval(run_dir, ev, path)
+    elif (read_eval(run_dir / "eval.json") or {}).get("made_by") != "evaluate" and can_write(run_dir):
         write_eval(run_dir, ev)
     elif store is not None:
         write_eval(run_dir, ev, stored_path(store, run_dir))

@@ -3,7 +3,7 @@ hard-code PSNR against utilization, and the same test images decoded from each r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,17 @@ def save(fig, path: Path, dpi: int = 110, **layout) -> None:
     fig.tight_layout(**layout)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def label(ax, xlabel: str, ylabel: str, title: str = "", legend: Optional[dict] = None, **grid) -> None:
+    """Axis labels, a title, a grid (``grid``: its keywords) and, unless ``legend`` is None, a legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, **grid)
+    if legend is not None:
+        ax.legend(**legend)
 
 
 def plot_usage_histograms(evals: Sequence[Dict], names: Sequence[str], path: Path) -> None:
@@ -61,13 +72,10 @@ def plot_usage_over_training(metrics: Sequence[List[Dict]], names: Sequence[str]
         style = dict(color=cmap(i % 20), lw=1.2, ls=["-", "--", ":"][(i // 20) % 3], label=name)
         a1.plot(steps, util, **style)
         a2.plot(steps, ppl, **style)
-    a1.set_ylabel("utilization (window)")
     a1.set_ylim(0, 1.02)
-    a2.set_ylabel("perplexity (window)")
     a2.set_yscale("log")
-    for ax in (a1, a2):
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
+    for ax, ylabel in ((a1, "utilization (window)"), (a2, "perplexity (window)")):
+        label(ax, "training step", ylabel)
     a2.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle("Codebook usage during training (train.usage_window steps of hard indices per point)", fontsize=9)
     save(fig, path)
@@ -84,10 +92,8 @@ def plot_psnr_vs_utilization(rows: Sequence[Dict], path: Path) -> None:
         ax.scatter(r["utilization"], r["hard_psnr"], marker=markers.get(r["type"], "x"), s=36)
         ax.annotate(r["name"], (r["utilization"], r["hard_psnr"]), fontsize=6, xytext=(3, 2),
                     textcoords="offset points")
-    ax.set_xlabel("utilization (dataset level)")
-    ax.set_ylabel("PSNR, hard codes (dB)")
+    label(ax, "utilization (dataset level)", "PSNR, hard codes (dB)")
     ax.set_xlim(-0.02, 1.05)
-    ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=t) for t, m in markers.items()
                if any(r["type"] == t for r in rows)]
     ax.legend(handles=handles, fontsize=7)
@@ -113,7 +119,7 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
     rows = [("original", originals)] + list(zip(names, recons))
     n = originals.shape[0]
     fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.9 * len(rows)), squeeze=False)
-    for i, (label, images) in enumerate(rows):
+    for i, (name, images) in enumerate(rows):
         for j in range(n):
             ax = axes[i, j]
             img = images[j].permute(1, 2, 0).numpy()
@@ -121,7 +127,7 @@ def plot_reconstructions(run_dirs: Sequence[Path], names: Sequence[str], path: P
                       vmin=0, vmax=1)
             ax.set_xticks([])
             ax.set_yticks([])
-        axes[i, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=6)
+        axes[i, 0].set_ylabel(name, rotation=0, ha="right", va="center", fontsize=6)
     fig.suptitle(f"First {n} {split} images, decoded from hard codes", fontsize=9)
     save(fig, path, rect=(0, 0, 1, 1 - 0.3 / (0.9 * len(rows))))
 

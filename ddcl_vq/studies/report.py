@@ -5,10 +5,10 @@ import datetime as _dt
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ddcl_vq.studies.config import Study
+from ddcl_vq.common.progress import fmt
 
 
-def run_seeds(study: Study) -> List[int]:
+def run_seeds(study) -> List[int]:
     """The seeds the study's runs use: the file's list, or more where arms give their own."""
     return sorted({a.seed for a in study.arms if a.seed is not None})
 
@@ -17,8 +17,7 @@ def _psnr(r: Dict) -> str:
     """'23.31 dB', or with seeds '23.31 ± 0.12 dB (n = 3)'."""
     if "n" not in r:
         return f"{r['hard_psnr']:.2f} dB"
-    sd = r.get("hard_psnr_sd")
-    return f"{r['hard_psnr']:.2f} ± {'—' if sd is None else format(sd, '.2f')} dB (n = {r['n']})"
+    return f"{fmt(r['hard_psnr'], '.2f', sd=r.get('hard_psnr_sd'))} dB (n = {r['n']})"
 
 
 def _separation(d: Dict, b: Dict) -> str:
@@ -35,10 +34,8 @@ def _separation(d: Dict, b: Dict) -> str:
 
 
 def headline(rows: Sequence[Dict]) -> List[str]:
-    """Computed, not written: per K, the best hard-code PSNR among baselines and among DDCL arms,
-    and which DDCL arms reach 100% utilization. Rows with seeds (mean ± sd rows from
-    :func:`~ddcl_vq.studies.aggregate.aggregate`) are compared by their means, and the line says
-    whether the best DDCL mean exceeds the best baseline mean by more than the larger sd."""
+    """Per K: the best hard-code PSNR among baselines and among DDCL arms, and which DDCL arms use every code
+    (mean ± sd rows are compared by their means, and by the larger sd)."""
     lines = []
     for k in sorted({r["num_codes"] for r in rows}):
         at_k = [r for r in rows if r["num_codes"] == k and r.get("hard_psnr") is not None]
@@ -79,9 +76,8 @@ def _delta(a: Dict, b: Dict, key: str, spec: str, unit: str = "", scale: float =
     return text
 
 
-def changes(study: Study, rows: Sequence[Dict]) -> List[str]:
-    """For every arm declared with ``vs``: what it changes against that arm at each sweep point
-    (differences of hard-code PSNR, utilization, dead codes, perplexity and ms per step)."""
+def changes(study, rows: Sequence[Dict]) -> List[str]:
+    """For every arm declared with ``vs``: its differences from that arm at each sweep point."""
     by_name = {r["name"]: r for r in rows}
     pairs = list(dict.fromkeys((a.group, a.vs) for a in study.arms if a.vs))
     lines = []
@@ -100,11 +96,10 @@ def changes(study: Study, rows: Sequence[Dict]) -> List[str]:
     return lines
 
 
-def render_report(study: Study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequence[Dict]] = None) -> str:
+def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequence[Dict]] = None) -> str:
     """report.md; ``groups``: with seeds, the mean ± sd rows (one per arm x sweep point)."""
-    from ddcl_vq.studies.compare import COLUMN_DEFINITIONS, markdown_table
+    from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, SEED_DEFINITIONS, markdown_table, mean_sd_table
     from ddcl_vq.tokenizer.metrics import definitions
-    from ddcl_vq.studies.aggregate import SEED_DEFINITIONS, mean_sd_table
     b = study.arms[0].config
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "
               f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "

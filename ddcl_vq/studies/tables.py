@@ -1,16 +1,18 @@
-"""``ddcl-vq compare``'s tables: one row per run (columns in COLUMNS, defined in
-COLUMN_DEFINITIONS), as markdown, CSV and JSON, with the footer saying what was evaluated how."""
+"""The tables of ``ddcl-vq compare`` and the studies: one row per run or, with seeds, mean ± sd per arm x sweep
+point (:func:`aggregate`); markdown (:func:`markdown_table`), CSV and JSON."""
 from __future__ import annotations
 
 import csv
 import inspect
 import json
+import math
+import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ddcl_vq import EMAVQ
 
-from ddcl_vq.tokenizer.evaluate import fmt
+from ddcl_vq.common.progress import fmt
 from ddcl_vq.tokenizer.metrics import definitions
 from ddcl_vq.common.runlog import ms_per_step, train_seconds
 
@@ -25,11 +27,10 @@ COLUMNS = [  # (key, header, format)
 ]
 
 COLUMN_DEFINITIONS = """\
-settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to D, or to the
-                  data's nearest-code distance where marked (data); a -> b when annealed, with the
-                  schedule), the codebook's update (M-step, with its statistics' decay when set, or by
-                  gradient at codebook/encoder learning-rate ratio rho), init other than uniform,
-                  revival threshold, rotation trick; EMA decay and dead-code threshold;
+settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to the data's
+                  nearest-code distance; a -> b when annealed, with the schedule), the M-step codebook
+                  (with its statistics' decay when set), init other than k-means, revival threshold,
+                  warm-up, beta schedule; EMA decay and dead-code threshold;
                   vector-quantize-pytorch keyword arguments ({} = its defaults)
 PSNR/MSE/SSIM/LPIPS hard = decoded from hard codes on the evaluated split (see definitions below)
 PSNR soft, soft−hard    = DDCL only: decoded from soft codes, and soft minus hard
@@ -56,19 +57,14 @@ def settings_text(cfg) -> str:
     if q.type == "ddcl":
         tau = (f"τ={q.temperature:g}" if q.temperature_schedule == "constant" else
                f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})")
-        tau += " (data)" if q.temperature_reference == "data" else ""
-        codebook = ("M-step" + (f" decay={q.decay:g}" if q.decay is not None else "") if q.codebook_update == "mstep"
-                    else f"ρ={t.codebook_lr_ratio:g}")
-        extra = ([f"{q.codebook_init} init"] if q.codebook_init != "uniform" else []) \
-            + ([f"revival {q.revive_threshold:g}" + (" (mass)" if q.revive_criterion == "mass" else "")
-                + (" + twins" if getattr(q, "revive_twins", False) else "")]
-               if q.revive_threshold > 0 else []) \
+        extra = ([f"{q.codebook_init} init"] if q.codebook_init != "kmeans" else []) \
+            + ([f"revival {q.revive_threshold:g}"] if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
-            + ([f"β {q.beta:g}→{q.beta_final:g}"] if q.beta_final is not None and q.mode == "straight_through" else []) \
-            + (["rotation trick"] if q.encoder_gradient == "rotation" else [])
-        return ", ".join([q.mode, tau, codebook] + extra)
+            + ([f"β {q.beta:g}→{q.beta_final:g}"] if q.beta_final is not None and q.mode == "straight_through" else [])
+        return ", ".join([q.mode, tau, "M-step" + (f" decay={q.decay:g}" if q.decay is not None else "")] + extra)
     if q.type == "hard":
-        extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) + (["k-means init"] if q.kmeans_init else [])
+        extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) \
+            + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
     if q.type == "ema":
         decay = q.decay if q.decay is not None else EMAVQ_DEFAULT_DECAY  # null: EMAVQ's own default
@@ -91,7 +87,7 @@ def settings_text(cfg) -> str:
 
 def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
     from ddcl_vq.tokenizer.config import load_config
-    cfg = load_config(Path(run_dir) / "config.yaml", migrate=True)
+    cfg = load_config(Path(run_dir) / "config.yaml")
     hard, soft, gap = ev["recon"]["hard"], ev["recon"]["soft"], ev["recon"]["soft_minus_hard"]
     c = ev["codebook"]
     return {
@@ -108,11 +104,13 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         "num_images": ev["num_images"]}
 
 
-def markdown_table(rows: Sequence[Dict], columns: Sequence[tuple] = COLUMNS) -> str:
+def markdown_table(rows: Sequence[Dict], columns: Sequence[Tuple[str, str, Any]] = COLUMNS) -> str:
+    """The one markdown table writer: a header of the columns' headers, one line per row. A column is (key, header,
+    format): a format spec for :func:`fmt` (``—`` for None) of ``row[key]``, or a callable row -> cell."""
+    def cell(row: Dict, key: str, spec: Any) -> str:
+        return str(spec(row)) if callable(spec) else fmt(row.get(key), spec)
     lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(k), f) for k, _, f in columns) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(cell(r, k, f) for k, _, f in columns) + " |" for r in rows])
 
 
 def unique_names(run_dirs: Sequence[Path]) -> List[str]:
@@ -120,7 +118,7 @@ def unique_names(run_dirs: Sequence[Path]) -> List[str]:
     names = []
     for d in run_dirs:
         try:
-            names.append(load_config(Path(d) / "config.yaml", migrate=True).run.name)
+            names.append(load_config(Path(d) / "config.yaml").run.name)
         except Exception:  # noqa: BLE001 - fall back to the folder name
             names.append(Path(d).name)
     if len(set(names)) < len(names):
@@ -130,6 +128,81 @@ def unique_names(run_dirs: Sequence[Path]) -> List[str]:
     return names
 
 
+# ----------------------------------------------------------------------------- seeds: mean ± sd
+#: the metrics averaged over seeds: (row key, header, format)
+METRICS = [("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_ssim", "SSIM hard", ".4f"),
+           ("hard_lpips", "LPIPS hard", ".4f"), ("utilization", "utilization", ".1%"),
+           ("queue_utilization", "util. (queue)", ".1%"), ("batch_utilization", "util. (batch)", ".1%"),
+           ("dead_codes", "dead codes", ".1f"), ("perplexity", "perplexity", ".1f"), ("ms_per_step", "ms/step", ".1f")]
+#: carried from the group's first run (the same for every seed of an arm × sweep point)
+SHARED = ("type", "num_codes", "settings", "utilization_ceiling", "queue_ceiling", "mode", "temperature",
+          "temperature_schedule", "temperature_final", "codebook_lr_ratio", "split", "num_images")
+
+SEED_DEFINITIONS = """\
+seeds           = the runs of one arm at one sweep point differ only in run.seed (model
+                  initialisation, data order, k-means start); n = how many of them finished
+mean ± sd       = mean over those runs and the sample standard deviation (n - 1 in the
+                  denominator); '—' for the sd when n = 1. A cell with fewer values than n
+                  (a metric missing in some run) says so: (n=2)
+dead codes      = the mean of the per-run dead-code counts (so it may be fractional)"""
+
+
+def mean_sd(values: Sequence[Optional[float]]) -> Tuple[Optional[float], Optional[float], int]:
+    """(mean, sample sd, n) of the values that are not None; sd is None for n < 2, both None for n = 0."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return (vals[0], None, 1) if len(vals) == 1 else (statistics.fmean(vals), statistics.stdev(vals), len(vals))
+
+
+def aggregate(rows: Sequence[Dict], metrics: Sequence[Tuple] = METRICS, by: str = "group",
+              shared: Sequence[str] = SHARED, seed: str = "seed", least: int = 1) -> List[Dict]:
+    """The one aggregate: a row per value of ``by`` (a row without one: its ``name``) that at least ``least`` rows
+    hold, in order of first appearance: ``name`` = that value, ``n``, ``seeds`` (the rows' ``seed``), ``runs`` (their
+    names), the ``shared`` keys of its first row, and for every metric its mean (same key), ``<key>_sd``,
+    ``<key>_n``."""
+    groups: Dict[str, List[Dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get(by) or r["name"], []).append(r)
+    out = []
+    for name, members in groups.items():
+        if len(members) < least:
+            continue
+        row: Dict = {"name": name, "n": len(members), "seeds": [m.get(seed) for m in members],
+                     "runs": [m.get("name") for m in members], **{k: members[0].get(k) for k in shared}}
+        for key, _, _ in metrics:
+            row[key], row[f"{key}_sd"], row[f"{key}_n"] = mean_sd([m.get(key) for m in members])
+        out.append(row)
+    return out
+
+
+def pm(row: Dict, key: str, spec: str) -> str:
+    """The one mean ± sd cell: ``mean ± sd`` (``—`` for a missing sd), ``(n=2)`` when fewer values than the row's n."""
+    mean, n = row.get(key), row.get(f"{key}_n", row.get("n"))
+    if mean is None or (isinstance(mean, float) and not math.isfinite(mean)):
+        return fmt(mean, spec)
+    return fmt(mean, spec, sd=row.get(f"{key}_sd")) + (f" (n={n})" if n is not None and n != row.get("n") else "")
+
+
+def pm_columns(metrics: Sequence[Tuple]) -> List[Tuple[str, str, Callable]]:
+    """markdown_table columns of mean ± sd cells for ``metrics`` (key, header, format)."""
+    return [(key, header, lambda r, key=key, spec=spec: pm(r, key, spec)) for key, header, spec in metrics]
+
+
+def seeds_cell(row: Dict) -> str:
+    return f"{','.join(map(str, row['seeds']))} ({row['n']})"
+
+
+MEAN_SD_COLUMNS = [("name", "run", "s"), ("type", "quantizer", "s"), ("num_codes", "K", "d"),
+                   ("settings", "settings", "s"), ("seeds", "seeds (n)", seeds_cell)] + pm_columns(METRICS)
+
+
+def mean_sd_table(groups: Sequence[Dict]) -> str:
+    """Markdown: one row per arm × sweep point, mean ± sd over its seeds."""
+    return markdown_table(groups, MEAN_SD_COLUMNS)
+
+
+# ----------------------------------------------------------------------------- the files
 def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
     images = sorted({ev["num_images"] for ev in evals})
     lines = [f"Evaluated on the {evals[0]['dataset']} {evals[0]['split']} split, "
@@ -142,20 +215,47 @@ def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: str, max_images: int,
-                 command: Optional[str] = None) -> None:
-    """table.md, table.csv and table.json: one row per run."""
-    (out / "table.md").write_text(markdown_table(rows) + "\n\n" + table_footer(evals, command) + "\n")
-    write_csv(out / "table.csv", rows)
-    (out / "table.json").write_text(json.dumps({"rows": list(rows), "command": command, "split": split,
-                                                "max_images": max_images, "definitions": definitions(),
-                                                "column_definitions": COLUMN_DEFINITIONS}, indent=2) + "\n")
+def flat(row: Dict) -> Dict:
+    """A row for CSV: lists as space-separated text."""
+    return {k: (" ".join(str(x) for x in v) if isinstance(v, list) else v) for k, v in row.items()}
 
 
 def write_csv(path: Path, rows: Sequence[Dict]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(flat(r) for r in rows)
 
 
+def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: str, max_images: int,
+                 command: Optional[str] = None, groups: Optional[Sequence[Dict]] = None) -> None:
+    """table.md, table.csv and table.json: one row per run; with ``groups`` (seeds) one row per arm × sweep point,
+    mean ± sd, and the per-run rows below (table.md), in table_runs.csv and in table.json's ``runs``."""
+    text = [markdown_table(rows), "", table_footer(evals, command)]
+    if groups is not None:
+        text = [mean_sd_table(groups), "", "Per seed:", ""] + text + ["", "Seeds:", "```", SEED_DEFINITIONS, "```"]
+        write_csv(out / "table_runs.csv", rows)
+    (out / "table.md").write_text("\n".join(text) + "\n")
+    write_csv(out / "table.csv", rows if groups is None else groups)
+    extra = {} if groups is None else {"runs": list(rows), "seed_definitions": SEED_DEFINITIONS}
+    (out / "table.json").write_text(json.dumps({"rows": list(rows if groups is None else groups), **extra,
+                                                "command": command, "split": split, "max_images": max_images,
+                                                "definitions": definitions(), "column_definitions": COLUMN_DEFINITIONS},
+                                               indent=2) + "\n")
+
+
+def tabulate(out: Path, arms: Sequence, rows: List[Dict], evals: Sequence[Dict], ev, seeds: bool,
+             command: Optional[str], overrides: Sequence[str] = ()) -> Optional[List[Dict]]:
+    """The tables and plots of a study's finished ``arms`` in ``out`` (``ev``: the study's eval settings); with
+    ``seeds`` the tables are mean ± sd and the plots show each arm's first seed. -> the groups or None."""
+    from ddcl_vq.studies.plots import write_plots
+    groups, first = None, list(range(len(arms)))
+    if seeds:
+        for row, arm in zip(rows, arms):
+            row["group"], row["seed"] = arm.group, arm.seed
+        groups = aggregate(rows)
+        first = [i for i in first if i == 0 or arms[i - 1].group != arms[i].group]
+    write_tables(out, rows, evals, ev.split, ev.max_images, command, groups)
+    write_plots(out, [Path(arms[i].config.run.dir) for i in first], [arms[i].name for i in first],
+                [evals[i] for i in first], groups or rows, ev.split, ev.grid_images, overrides)
+    return groups

@@ -1,3 +1,2 @@
-"""The image tokenizer (a VQ-VAE or VQGAN around any ddcl_vq quantizer): its config, training loop and
-losses (``ddcl-vq train``), evaluation and metrics (``evaluate``, ``gap``), and what uses a trained one
-(``export``, ``tokenize``, ``decode`` and the token file format)."""
+"""The image tokenizer (a VQ-VAE or VQGAN around any ddcl_vq quantizer): ``ddcl-vq train``, ``evaluate``, ``gap``,
+``export``, ``tokenize``, ``decode``."""

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -12,16 +11,15 @@ from ddcl_vq import Quantizer
 from ddcl_vq.models import VQVAE
 from ddcl_vq.models.vqvae import CONFIG_FORMAT, QUANTIZER_TYPES, architecture, build_quantizer_from_config
 
-from ddcl_vq.tokenizer.config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
+from ddcl_vq.common.config import ConfigError, did_you_mean
 from ddcl_vq.common.errors import one_line
-from ddcl_vq.common.config import ConfigError, nearest
+from ddcl_vq.common.skeleton import lr_schedule
+from ddcl_vq.tokenizer.config import PER_QUANTIZER_DEFAULT, Config, QuantizerConfig, TrainConfig, quantizer_keys
 
 
 def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Quantizer:
-    """The configured quantizer; ``steps`` (train.steps) is the length of a DDCL temperature schedule.
-
-    A setting the quantizer refuses (its ValueError, or a keyword ``quantizer.vqp`` passes that
-    VectorQuantize does not take) is a ConfigError naming the setting."""
+    """The configured quantizer (``steps``: a DDCL temperature schedule's length); a refused setting is a
+    ConfigError naming it."""
     if q.type in PEER_SECTIONS:
         check_peer_kwargs(q.type, getattr(q, q.type))
     # the peer checks its keyword arguments with TypeError/assert; ours say ValueError
@@ -37,14 +35,12 @@ def build_quantizer(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -
 
 #: quantizer types that wrap vector-quantize-pytorch (its checks raise TypeError/AssertionError too)
 PEER_TYPES = ("vqp", "fsq", "simvq", "lfq")
-#: quantizer.<type> sections passed to a vector-quantize-pytorch class as keyword arguments:
-#: type -> (the class, keyword arguments our wrapper adds)
+#: quantizer.<type> sections passed to a vector-quantize-pytorch class: type -> (the class, keywords our wrapper adds)
 PEER_SECTIONS = {"vqp": ("VectorQuantize", ()), "simvq": ("SimVQ", ("codebook_bias", "data_init")), "lfq": ("LFQ", ())}
 
 
 def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
-    """Every key of ``quantizer.<qtype>`` (vqp, simvq, lfq) is a keyword argument of the
-    vector-quantize-pytorch class it is passed to (checked when the package is installed)."""
+    """Every key of ``quantizer.<qtype>`` is a keyword argument of the vector-quantize-pytorch class it goes to."""
     name, ours = PEER_SECTIONS[qtype]
     try:
         import vector_quantize_pytorch
@@ -56,19 +52,14 @@ def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
     valid = [p for p in params if p not in ("self", "dim", "codebook_size", "channel_first")] + list(ours)
     for key in kwargs:
         if key not in valid:
-            raise ConfigError(f"unknown config key 'quantizer.{qtype}.{key}' (not a keyword argument of "
-                              f"vector_quantize_pytorch.{name}); did you mean "
-                              f"'quantizer.{qtype}.{nearest(key, valid)}'?")
+            full = f"quantizer.{qtype}.{key}"
+            raise ConfigError(f"unknown config key {full!r} (not a keyword argument of vector_quantize_pytorch."
+                              f"{name}); {did_you_mean(full, [f'quantizer.{qtype}.{v}' for v in valid])}")
 
 
 def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
-    """The configured quantizer's constructor arguments (``num_codes`` and ``dim`` included), plain
-    values only: ``build_quantizer`` builds from them and ``VQVAE.save_pretrained`` writes them to
-    config.json. ``steps`` (train.steps) is the length of a DDCL temperature schedule.
-
-    Every quantizer.* key that is a keyword argument of the type's class is passed (the config's
-    keys are those arguments, :data:`~ddcl_vq.tokenizer.config.QUANTIZER_CLASSES`); ``decay`` only when
-    set (None: the quantizer's own default); vqp: ``quantizer.vqp`` as it is."""
+    """The configured quantizer's constructor arguments as plain values (written to config.json); ``decay`` only
+    when set; the peers' sections as they are. ``steps``: a DDCL temperature schedule's length."""
     if q.type not in QUANTIZER_TYPES:
         raise ValueError(f"expected quantizer.type in {', '.join(QUANTIZER_TYPES)}, got {q.type!r}")
     kwargs: Dict[str, Any] = dict(num_codes=q.num_codes, dim=dim)
@@ -100,8 +91,7 @@ def model_config(cfg: Config, in_channels: int) -> Dict[str, Any]:
 
 
 def build_model(cfg: Config, in_channels: int) -> VQVAE:
-    """``VQVAE.from_config(model_config(cfg, in_channels))``, with a refused quantizer setting as a
-    ConfigError (``build_quantizer``); the model remembers its config (``save_pretrained``)."""
+    """``VQVAE.from_config(model_config(cfg, in_channels))``, a refused quantizer setting a ConfigError."""
     config = model_config(cfg, in_channels)
     # built in this order (encoder, quantizer, decoder), as from_config does: initialisation follows the seed
     encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
@@ -112,27 +102,18 @@ def build_model(cfg: Config, in_channels: int) -> VQVAE:
     return model
 
 
-def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str) -> torch.optim.Optimizer:
-    """AdamW with two groups: encoder/decoder at ``lr``, the codebook at ``codebook_lr_ratio``·lr.
-
-    DDCL-Attention's stability argument needs the prototypes on the faster timescale
-    (ratio > 1); a warning says so when the ratio is ≤ 1 for a DDCL codebook trained by gradient
-    (the default M-step codebook has no parameters to optimise: the ratio does not apply).
-    """
+def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str = "") -> torch.optim.Optimizer:
+    """AdamW: encoder/decoder at ``lr``, a codebook trained by gradient at ``codebook_lr_ratio``·lr."""
     codebook = [p for p in model.quantizer.parameters() if p.requires_grad]
     ids = {id(p) for p in codebook}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
     groups = [{"params": rest, "lr": t.lr, "weight_decay": t.weight_decay, "name": "encoder_decoder"}]
     if codebook:
         groups.append({"params": codebook, "lr": t.lr * t.codebook_lr_ratio, "weight_decay": 0.0, "name": "codebook"})
-    if quantizer_type == "ddcl" and codebook and t.codebook_lr_ratio <= 1:
-        warnings.warn(f"train.codebook_lr_ratio={t.codebook_lr_ratio:g} <= 1: DDCL's timescale condition asks "
-                      "for the codebook to learn faster than the encoder (ratio > 1)", stacklevel=2)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.99))
 
 
 def lr_lambda(t: TrainConfig):
     """The tokenizer's learning-rate factor: ``train.lr_schedule`` over ``train.steps`` (cosine to 10%, no warm-up)."""
-    from ddcl_vq.common.skeleton import lr_schedule
     return lr_schedule(t.steps, t.lr_schedule, warmup=0, floor=0.1)
 

@@ -1,16 +1,9 @@
-"""Typed experiment configs: YAML in, validated dataclasses out, dotted overrides.
+"""The training config: YAML in, validated dataclasses out, dotted overrides::
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-Every key is checked up front (by :mod:`ddcl_vq.common.config`, the checks every command's settings go through): an
-unknown key is an error naming the key and the nearest valid one; a wrong type or a value outside a key's choices names
-the key, what was expected and what came. ``to_dict`` / ``from_dict`` round-trip exactly.
-
-Defaults and allowed values are stated once, where the code that uses them lives: the ``model`` section is the model
-constructor's keyword arguments and defaults (:class:`~ddcl_vq.models.Encoder`), the ``quantizer`` section the quantizer
-classes' keyword arguments and defaults (:data:`QUANTIZER_CLASSES`; :data:`NOT_IN_CONFIG` lists the arguments a config
-does not set), and the choices of the DDCL keys are the library's own tuples (``ddcl_vq.ddcl.MODES`` ...). ``ddcl-vq
-train --config X --print-config`` shows every value.
+The ``model`` section is the encoder's keyword arguments and defaults, the ``quantizer`` section the quantizer classes'
+(:data:`QUANTIZER_CLASSES`); which settings a resumed run may change is :data:`RESUMABLE`.
 """
 from __future__ import annotations
 
@@ -22,26 +15,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import yaml
-
-from ddcl_vq import EMAVQ, IBQ_LOGITS, DDCLQuantizer, FVQQuantizer, HardVQ, IBQQuantizer
-from ddcl_vq import ddcl as _ddcl
+from ddcl_vq import EMAVQ, DDCLQuantizer, FVQQuantizer, HardVQ, IBQQuantizer
+from ddcl_vq.ibq import IBQ_LOGITS
+from ddcl_vq.arguments import DDCL_CHOICES
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
-from ddcl_vq.common.rundir import RunDirError
-from ddcl_vq.common.data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
-from ddcl_vq.common.config import (ConfigError, Rules, apply, check, check_finite, did_you_mean, differences,  # noqa: F401
+from ddcl_vq.common.config import (ConfigError, Rules, apply, check, check_finite, did_you_mean, differences,
                                    dump_config, keys_of, read_yaml_mapping)
 from ddcl_vq.common.config import apply_overrides as _apply_overrides
+from ddcl_vq.common.data import NATURAL_TEST_PHOTOS, NATURAL_TRAIN_PHOTOS, check_photos
+from ddcl_vq.common.rundir import RunDirError
 
-__all__ = ["Config", "ConfigError", "load_config", "dump_config", "apply_overrides", "all_keys",
-           "validate", "RENAMED", "migrate_renamed", "differences", "QUANTIZER_CLASSES",
-           "NOT_IN_CONFIG", "signature_fields"]
+__all__ = ["ConfigError", "differences", "dump_config"]  # re-exported: what the commands import from here
 
 
 def signature_fields(fn: Any, skip: Sequence[str] = ()) -> List[Tuple[str, Any, Any]]:
-    """``(name, type, dataclasses.field(default=...))`` for every keyword argument of ``fn`` that has
-    a default, in signature order, except ``skip`` (what ``dataclasses.make_dataclass`` takes)."""
+    """``(name, type, field(default=...))`` for every keyword argument of ``fn`` with a default, except ``skip``."""
     hints = typing.get_type_hints(fn)
     params = inspect.signature(fn).parameters.values()
     return [(p.name, hints.get(p.name, Any), field(default=p.default)) for p in params if p.name != "self"
@@ -70,10 +59,7 @@ class DataConfig:
     augment: str = "none"                    # image_folder train split: none (centre crop) | crop_flip (augment.py)
 
 
-#: model sizes: the encoder's (and decoder's) keyword arguments and defaults, but the image channels (which come from
-#: the dataset): channels, num_res_blocks, num_downsamples (32x32 -> 8x8 latents at 2), latent_dim (D), res_hidden then
-#: the VQGAN architecture (model.arch: vqgan; ddcl_vq.models.vqgan, diffusers' encoder/decoder): ch, ch_mult,
-#: attn_resolutions, z_channels, norm_groups (num_res_blocks and latent_dim = D shared)
+#: model sizes: the encoder's keyword arguments and defaults (image channels aside), then the VQGAN's
 VQGAN_MODEL_FIELDS = [("arch", str, field(default="vqvae")), ("ch", int, field(default=128)),
                       ("ch_mult", List[int], field(default_factory=lambda: [1, 1, 2, 2, 4])),
                       ("attn_resolutions", List[int], field(default_factory=lambda: [16])),
@@ -81,17 +67,15 @@ VQGAN_MODEL_FIELDS = [("arch", str, field(default="vqvae")), ("ch", int, field(d
 ModelConfig = dataclasses.make_dataclass("ModelConfig", signature_fields(Encoder.__init__, skip=("in_channels",))
                                          + VQGAN_MODEL_FIELDS)
 ModelConfig.__module__ = __name__
-ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword arguments and defaults (image channels aside)."
+ModelConfig.__doc__ = "The model's sizes: ``Encoder``/``Decoder`` keyword arguments and defaults (not image channels)."
 
 #: quantizer.type -> the class whose keyword arguments (and defaults) are the config's quantizer.* keys
-#: (``vqp`` has none of its own: ``quantizer.vqp`` is passed to vector-quantize-pytorch as it is)
 QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 #: constructor arguments that are not quantizer.* keys, and where their value comes from
 NOT_IN_CONFIG = {"num_codes": "quantizer.num_codes", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
                  "schedule_steps": "train.steps", "chunk_size": "the constructor default",
                  "chunk_threshold_bytes": "the constructor default", "eps": "the constructor default"}
 #: keys several quantizers share whose defaults differ between them: None = "the quantizer's own default"
-#: (ddcl 0.9, ema 0.99)
 PER_QUANTIZER_DEFAULT = ("decay",)
 
 
@@ -108,8 +92,7 @@ def _quantizer_fields() -> List[Tuple[str, Any, Any]]:
                 continue
             fields[name], owners[name] = (name, annotation, f), qtype
     fields.update({name: (name, Optional[float], field(default=None)) for name in PER_QUANTIZER_DEFAULT})
-    # vqp and the newer peers (ddcl_vq.fsq, .simvq, .lfq wrap vector-quantize-pytorch): fsq's grid (None: the FSQ
-    # paper's levels for num_codes), vqp's, simvq's and lfq's keyword arguments passed as they are
+    # the vector-quantize-pytorch peers: fsq's grid (None: from num_codes), the others' keyword arguments as they are
     fields.update(vqp=("vqp", Dict[str, Any], field(default_factory=dict)),
                   fsq_levels=("fsq_levels", Optional[List[int]], field(default=None)),
                   simvq=("simvq", Dict[str, Any], field(default_factory=dict)),
@@ -147,7 +130,7 @@ class TrainConfig:
     eval_images: int = 10000                 # test images for the end-of-run summary (0 = skip)
     device: str = "auto"                     # auto | cpu | cuda
     threads: Optional[int] = None            # torch CPU threads per process; null = auto (threads.py), kept on resume
-    init_from: Optional[str] = None          # a new run from an exported model folder or Hub id (init_from.py)
+    init_from: Optional[str] = None          # a new run from an exported model folder or Hub id (tokens.py)
 
 
 @dataclass
@@ -163,7 +146,7 @@ class LossConfig:
     disc_layers: int = 3
     disc_channels: int = 64
     disc_lr: Optional[float] = None          # the discriminator's Adam lr (beta 0.5, 0.9); null = train.lr
-    adaptive_weight: bool = True             # lambda = ||grad L_rec|| / (||grad L_G|| + 1e-4) at the decoder's last layer
+    adaptive_weight: bool = True             # lambda = ||grad L_rec|| / (||grad L_G|| + 1e-4), decoder's last layer
 
 
 @dataclass
@@ -180,10 +163,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any], *, saved: bool = False) -> "Config":
-        """``saved``: a run's resolved config.yaml, read to evaluate, export or compare the run (the checks
-        of what a training would do, :func:`validate_training`, are left out: it has trained)."""
+        """``saved``: a run's resolved config: exactly this version's keys (:func:`check_saved_keys`), and no
+        :func:`validate_training` (it has trained)."""
         cfg = cls()
-        apply(cfg, raw or {}, candidates=all_keys(), unknown=_unknown_key)
+        if saved:
+            check_saved_keys(raw)
+        apply(cfg, raw or {}, candidates=all_keys())
         validate(cfg)
         if not saved:
             validate_training(cfg)
@@ -199,62 +184,53 @@ CHOICES = {
     "loss.pixel": ("l1", "l2"), "loss.perceptual_net": ("vgg", "alex"),
     "loss.disc_loss": ("hinge", "vanilla", "non_saturating"),
 }
-# DDCLQuantizer's allowed values, as the library states them
-CHOICES.update({f"quantizer.{name}": values for name, values in _ddcl.DDCL_CHOICES.items()})
+CHOICES.update({f"quantizer.{name}": values for name, values in DDCL_CHOICES.items()})  # the library's own tuples
 POSITIVE = {"data.image_size", "data.batch_size", "data.patches_per_image", "model.channels", "model.res_hidden",
             "model.num_downsamples", "model.latent_dim", "quantizer.num_codes", "quantizer.temperature", "train.steps",
             "train.lr", "train.codebook_lr_ratio", "train.log_every", "train.checkpoint_every", "train.image_every",
             "train.usage_window", "train.threads", "model.ch", "model.ch_mult", "model.z_channels", "model.norm_groups",
             "loss.disc_layers", "loss.disc_channels", "quantizer.entropy_temperature"}
-#: keys that moved: an old key is an error naming its new place (``load_config(migrate=True)``
-#: moves them instead, for the resolved config.yaml of runs written before the move)
-RENAMED = {"train.temperature_schedule": "quantizer.temperature_schedule",
-           "train.temperature_final": "quantizer.temperature_final"}
-#: DDCL settings a run saved before the M-step existed was trained with (keys absent from its config.yaml)
-LEGACY_DDCL = {"codebook_update": "gradient", "temperature_reference": "dim", "revive_threshold": 0.0,
-               "encoder_gradient": "identity"}
 NON_NEGATIVE = {"model.num_res_blocks", "data.num_workers", "quantizer.beta", "quantizer.dead_code_threshold",
-                "quantizer.restart_step", "quantizer.warmup_steps", "quantizer.revive_threshold",
-                "quantizer.entropy_weight", "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip",
-                "train.eval_images", "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight",
-                "loss.disc_weight", "loss.disc_start"}
+                "quantizer.warmup_steps", "quantizer.revive_threshold", "quantizer.entropy_weight",
+                "train.weight_decay", "train.quantizer_loss_weight", "train.grad_clip", "train.eval_images",
+                "model.attn_resolutions", "loss.pixel_weight", "loss.perceptual_weight", "loss.disc_weight",
+                "loss.disc_start"}
+RULES = Rules(CHOICES, POSITIVE, NON_NEGATIVE, seeds={"run.seed"})
+#: the version whose runs a saved config with other keys comes from (this one's keys changed in 0.2.0)
+OLD_VERSION = "0.1.0"
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> List[str]:
     return keys_of(Config() if obj is None else obj, prefix)
 
 
-def _unknown_key(key: str) -> ConfigError:
-    if key in RENAMED:
-        return ConfigError(f"config key {key!r} has moved to {RENAMED[key]!r} (the quantizer owns its "
-                           "temperature schedule)")
-    return ConfigError(f"unknown config key {key!r}; {did_you_mean(key, all_keys())}")
+def check_not_prior(raw: Dict[str, Any], where: str) -> None:
+    """A prior run's config (data.train_tokens) is named as such, not as a config with unknown keys."""
+    if isinstance(raw.get("data"), dict) and "train_tokens" in raw["data"]:
+        raise ConfigError(f"{where} is the config of a prior run (ddcl-vq prior train: data.train_tokens), not of a "
+                          "tokenizer run; evaluate it with ddcl-vq prior evaluate RUN_DIR")
 
 
-def migrate_renamed(raw: Dict[str, Any]) -> Dict[str, Any]:
-    """A copy of a raw config dict with every key of :data:`RENAMED` moved to its new place."""
-    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
-    for old, new in RENAMED.items():
-        (osec, oname), (nsec, nname) = old.split("."), new.split(".")
-        section = raw.get(osec)
-        if isinstance(section, dict) and oname in section:
-            value = section.pop(oname)
-            target = raw.setdefault(nsec, {})
-            if isinstance(target, dict):
-                target.setdefault(nname, value)
-    quantizer = raw.get("quantizer")
-    if isinstance(quantizer, dict) and quantizer.get("type", "ddcl") == "ddcl":
-        if "codebook_update" not in quantizer:  # a run from before the M-step: what it was trained with
-            quantizer.update({name: value for name, value in LEGACY_DDCL.items() if name not in quantizer})
-        quantizer.setdefault("revive_criterion", "mass")  # the only criterion before the option existed
-        quantizer.setdefault("warmup_steps", 0)  # runs saved before the warm-up existed had none
-        quantizer.setdefault("beta_final", None)  # nor a commitment ramp before it existed
-    return raw
+def check_saved_keys(raw: Any, where: str = "the run's config") -> None:
+    """ConfigError unless a run's saved config has exactly this version's keys (an older run's would be misread)."""
+    if not isinstance(raw, dict):
+        return  # apply() says what is wrong with it
+    check_not_prior(raw, where)
+    given = set()
+    for section, values in raw.items():
+        given |= {f"{section}.{key}" for key in values} if isinstance(values, dict) else {str(section)}
+    valid = set(all_keys())
+    gone, new = sorted(given - valid), sorted(valid - given)
+    if gone or new:
+        what = (f"{', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''} {'was' if len(gone) == 1 else 'were'} retired "
+                "or renamed" if gone else f"{', '.join(new[:4])}{' ...' if len(new) > 4 else ''} existed")
+        raise ConfigError(f"{where} was written by ddcl-vq {OLD_VERSION} before {what}; evaluate it with ddcl-vq "
+                          "0.1.x or retrain it with this version")
 
 
 def validate(cfg: Config) -> None:
     check_finite(cfg)
-    check(cfg, Rules(CHOICES, POSITIVE, NON_NEGATIVE))
+    check(cfg, RULES)
     check_photos(cfg.data.train_photos, cfg.data.test_photos)
     size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
     if cfg.model.arch == "vqgan":
@@ -288,9 +264,7 @@ def validate(cfg: Config) -> None:
 
 
 def validate_training(cfg: Config) -> None:
-    """What a training of ``cfg`` would do, beyond each value's own range: refuse settings with which it
-    would learn nothing or silently leave a part out (a loss with no reconstruction term, a discriminator
-    that never switches on, attention at a resolution the VQGAN does not have)."""
+    """Refuse settings with which a training would learn nothing or silently leave a part out."""
     lc, m = cfg.loss, cfg.model
     if lc.pixel_weight == 0 and lc.perceptual_weight == 0:
         extra = (" (and loss.disc_weight alone cannot: its adaptive weight is 0 without a reconstruction loss)"
@@ -313,8 +287,7 @@ def validate_training(cfg: Config) -> None:
 
 
 def _validate_vqgan(cfg: Config) -> None:
-    """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups;
-    the loss section's discriminator fits the images."""
+    """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups."""
     m, size = cfg.model, cfg.data.image_size
     if not m.ch_mult:
         raise ConfigError("config key 'model.ch_mult': expected at least one multiplier, got []")
@@ -339,51 +312,52 @@ def _validate_loss(cfg: Config) -> None:
                               f"least {need}px, got data.image_size={cfg.data.image_size}; lower loss.disc_layers")
 
 
+def _unknown_key(key: str) -> ConfigError:
+    return ConfigError(f"unknown config key {key!r}; {did_you_mean(key, all_keys())}")
+
+
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
     """A copy of ``raw`` with every training-config override set (a quantizer.vqp/simvq/lfq keyword passes)."""
-    return _apply_overrides(raw, overrides, all_keys(), _unknown_key, ("quantizer.vqp", "quantizer.simvq", "quantizer.lfq"))
+    open_sections = ("quantizer.vqp", "quantizer.simvq", "quantizer.lfq")
+    return _apply_overrides(raw, overrides, all_keys(), _unknown_key, open_sections)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, migrate: bool = False) -> Config:
-    """YAML file (optional) + dotted overrides -> validated Config. ``migrate``: move renamed keys
-    (:data:`RENAMED`) in the file instead of refusing them — for a run's saved config.yaml."""
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, saved: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides -> validated Config (``saved``: :meth:`Config.from_dict`)."""
     raw: Dict[str, Any] = read_yaml_mapping(Path(path), "config file") if path is not None else {}
-    if migrate and path is not None:
-        raw = migrate_renamed(raw)
-    return Config.from_dict(apply_overrides(raw, overrides), saved=migrate)
+    check_not_prior(raw, f"config file {str(path)!r}")
+    if saved:
+        check_saved_keys(raw, f"config file {str(path)!r}")
+    return Config.from_dict(apply_overrides(raw, overrides), saved=saved)
 
 
-#: settings that may change when a run resumes: how long it trains, what it logs and keeps, where it runs (train.steps:
-#: not below the steps already trained; data.root: not for image_folder, where it is the data itself)
+#: settings a resumed run may change (train.steps: not below the steps trained; data.root: not for image_folder)
 RESUMABLE = ("train.steps", "train.log_every", "train.image_every", "train.checkpoint_every", "train.eval_images",
-             "train.usage_window", "train.device", "train.threads", "data.num_workers", "data.download", "data.root", "run.dir",
-             "run.name", "quantizer.implementation")
+             "train.usage_window", "train.device", "train.threads", "data.num_workers", "data.download", "data.root",
+             "run.dir", "run.name", "quantizer.implementation")
 
 
 def saved_config(state: Dict[str, Any], run_dir: Path) -> Optional[Config]:
-    """The resolved config a checkpoint was trained with (old keys migrated as for its config.yaml);
-    from RUN_DIR/config.yaml for a checkpoint that does not store it; None when neither exists."""
+    """The resolved config a checkpoint was trained with (else RUN_DIR/config.yaml's, else None)."""
     raw = state.get("config")
     try:
         if isinstance(raw, dict):
-            return Config.from_dict(migrate_renamed(raw), saved=True)
+            return Config.from_dict(raw, saved=True)
         if (run_dir / "config.yaml").is_file():
-            return load_config(run_dir / "config.yaml", migrate=True)
+            return load_config(run_dir / "config.yaml", saved=True)
     except ConfigError as err:
         raise RunDirError(f"run directory {str(run_dir)!r}: the config its checkpoint was trained with cannot be "
                           f"read by this version ({err}); start a new run with another run.dir") from None
     return None
 
 
-def _fmt(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
-
-
 def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) -> List[str]:
-    """Refuse (RunDirError) to resume a run trained with ``saved`` under ``cfg`` when they differ in
-    anything but :data:`RESUMABLE` keys; -> notes about allowed changes worth knowing."""
+    """RunDirError when ``saved`` and ``cfg`` differ beyond :data:`RESUMABLE` keys; -> notes on allowed changes."""
     refused, notes, fewer = [], [], None  # changes refused (key, old, new); notes; a train.steps below the steps done
+    no_disc = saved.loss.disc_weight == cfg.loss.disc_weight == 0  # the discriminator's settings do nothing
     for key, old, new in differences(saved, cfg):
+        if no_disc and key.startswith(("loss.disc_", "loss.adaptive_weight")):
+            continue
         if key not in RESUMABLE or (key == "data.root" and cfg.data.name == "image_folder"):
             refused.append((key, old, new))
         elif key == "train.steps" and new < trained_steps:
@@ -402,7 +376,7 @@ def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) 
                           "for a new run")
     if refused:
         refused += [fewer] if fewer else []
-        changes = ", ".join(f"{key} {_fmt(old)} -> {_fmt(new)}" for key, old, new in refused)
+        changes = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in refused)
         allowed = ", ".join(k if k != "train.steps" else f"train.steps (at least {trained_steps})" for k in RESUMABLE)
         raise RunDirError(
             f"run directory {str(run_dir)!r} holds a run trained {trained_steps} steps with another config; resuming "
@@ -413,8 +387,7 @@ def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) 
 
 
 def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str, Any]]:
-    """RUN_DIR/summary.json when it describes the run finished at ``step`` completely (with its
-    end-of-run evaluation when train.eval_images > 0); None when something is left to do."""
+    """RUN_DIR/summary.json when it describes the run finished at ``step`` completely (evaluation included)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -427,8 +400,7 @@ def finished_summary(run_dir: Path, step: int, cfg: Config) -> Optional[Dict[str
 
 
 def run_dir_of_config(config_path: str | Path) -> Optional[Path]:
-    """The run directory a config file belongs to: ``RUN_DIR`` when ``config_path`` is
-    ``RUN_DIR/config.yaml`` next to the run's ``checkpoints/`` or ``metrics.jsonl``; else None."""
+    """RUN_DIR when ``config_path`` is RUN_DIR/config.yaml next to checkpoints/ or metrics.jsonl; else None."""
     path = Path(config_path)
     folder = path.parent
     if path.name != "config.yaml" or not path.is_file():
@@ -437,13 +409,8 @@ def run_dir_of_config(config_path: str | Path) -> Optional[Path]:
 
 
 def follow_run_dir(cfg: Config, config_path: str | Path, overrides: Sequence[str] = ()) -> Optional[str]:
-    """The rule for ``--config RUN_DIR/config.yaml``: continue THAT run directory.
-
-    A run's config.yaml names the folder it was trained in (``run.dir``); after ``cp -a`` or ``mv``
-    that name is stale (it points to the original, or to nothing), so when the config file lives in
-    a run directory (:func:`run_dir_of_config`) and no ``run.dir=...`` override is given, ``cfg.run.dir``
-    becomes that directory. An explicit ``run.dir=`` override always wins. -> a note to print when
-    the saved run.dir was not that folder (None when it was, or when the rule does not apply)."""
+    """``--config RUN_DIR/config.yaml`` continues THAT run directory (a copied or moved run) unless ``run.dir=`` is
+    given; -> a note when the saved run.dir was another folder."""
     folder = run_dir_of_config(config_path)
     if folder is None or any(text.split("=", 1)[0].strip() == "run.dir" for text in overrides):
         return None

@@ -1,10 +1,8 @@
 """Evaluate a run directory written by `ddcl-vq train` on a dataset split and write
 RUN_DIR/eval.json (reconstruction on hard codes, and soft codes for DDCL; SSIM, LPIPS;
 dataset-level codebook usage and geometry). Dotted overrides change the run's config for
-the evaluation only (e.g. data.root=/path, train.device=cpu). Overrides that change which
-images are evaluated (data.name, natural_patches' photographs) measure the model on data it
-was not trained on and write RUN_DIR/eval_<dataset>.json (e.g. eval_digits.json), leaving the
-run's own eval.json as it is.
+the evaluation only (e.g. data.root=/path, train.device=cpu); overrides that change which
+images are evaluated write RUN_DIR/eval_<dataset>.json instead.
 
   ddcl-vq evaluate runs/fashion_ddcl --max-images 2000
   ddcl-vq evaluate runs/fashion_ddcl data.name=digits     # -> runs/fashion_ddcl/eval_digits.json
@@ -14,8 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import json
-import math
 import os
 import shlex
 import sys
@@ -25,17 +21,87 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from torch.utils.data import Dataset, Subset
 
-from ddcl_vq import uniform_ceiling
-from ddcl_vq.common.data import SPLITS
-from ddcl_vq.common.errors import UserError, entry_point
+from ddcl_vq import CodebookUsage, Quantizer
+from ddcl_vq.usage import uniform_ceiling
+from ddcl_vq.distributed import all_reduce_sum_, rank, world_size
+from ddcl_vq.models import VQVAE
+
+from ddcl_vq.common.checkpoint import latest_checkpoint, load_into, write_json
 from ddcl_vq.common.config import Options, Rules, option
-from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
+from ddcl_vq.common.data import (SPLITS, DataUnavailable, SequentialBatches, build_dataset, image_channels, make_loader,
+                                 resolve_workers)
+from ddcl_vq.common.errors import UserError, entry_point
+from ddcl_vq.common.progress import Progress, fmt
+from ddcl_vq.common.rundir import RunDirError, writable_dir
+from ddcl_vq.common.skeleton import setup_distributed
 from ddcl_vq.common.threads import set_threads, threads_option
-
+from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import ConfigError, differences, load_config
 from ddcl_vq.tokenizer.metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
 
-HELP = __doc__  # the module docstring is the --help text
+#: images per batch of every evaluation pass; lower it where memory is short
+EVAL_BATCH_SIZE = 256
+
+
+def shard(dataset: Dataset, max_images: int = 0) -> tuple[Subset, int]:
+    """The first ``max_images`` images (all when 0), strided over processes."""
+    n = len(dataset) if not max_images else min(max_images, len(dataset))
+    return Subset(dataset, list(range(rank(), n, world_size()))), n
+
+
+def _hard_codes(quantizer: Quantizer, indices: torch.Tensor) -> torch.Tensor:
+    """``quantizer.lookup(indices)`` without its range check (a host sync per batch on a GPU)."""
+    if type(quantizer).lookup is not Quantizer.lookup:
+        return quantizer.lookup(indices)
+    codes = quantizer.codebook[indices]
+    return codes.movedim(-1, 1) if quantizer.channel_dim == 1 and codes.dim() > 2 else codes
+
+
+@torch.no_grad()
+def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
+                        max_images: int = 0, on_batch=None, progress: bool = False, num_workers: int = 0) -> Dict:
+    """One pass over a split (each process a disjoint share) -> {"num_images", "hard": {"mse", "psnr"}, "soft": {...}
+    or None, "usage": UsageStats}; PSNR = mean of 10·log10(1 / MSE_image); ``on_batch(x, hard, soft)`` adds metrics."""
+    was_training = model.training
+    model.eval()
+    part, n = shard(dataset, max_images)
+    if n == 0:
+        raise DataUnavailable("nothing to evaluate: the split has no images")
+    loader = make_loader(part, SequentialBatches(len(part), batch_size), num_workers, device)
+    has_soft = model.quantizer.has_soft_codes
+    usage = CodebookUsage(model.quantizer.num_codes, device=device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
+    bar = Progress(len(loader), "evaluate", unit="batch", every=max(len(loader) // 10, 1), leave=False,
+                   off=not (progress and rank() == 0))
+    for x, _ in loader:
+        x = x.to(device, non_blocking=True)
+        z = model.encoder(x)
+        q = model.quantizer(z)
+        usage.update(q.indices, q.soft_counts)
+        hard = model.decoder(_hard_codes(model.quantizer, q.indices)).float().clamp(0, 1)
+        mse_img = (hard - x).pow(2).flatten(1).mean(1).double()
+        sums[0] += mse_img.sum()
+        sums[1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
+        soft = None
+        if has_soft:
+            soft_z = q.soft_codes if q.soft_codes is not None else model.quantizer.soft_codes(z)  # DDCL: one pass
+            soft = model.decoder(soft_z).float().clamp(0, 1)
+            mse_soft = (soft - x).pow(2).flatten(1).mean(1).double()
+            sums[2] += mse_soft.sum()
+            sums[3] += (10 * torch.log10(1.0 / mse_soft.clamp_min(1e-10))).sum()
+        sums[4] += x.shape[0]
+        if on_batch is not None:
+            on_batch(x, hard, soft)
+        bar.update(1)
+    bar.close()
+    all_reduce_sum_(sums)
+    model.train(was_training)
+    count = float(sums[4])
+    return {"num_images": int(count), "hard": {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count},
+            "soft": {"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count} if has_soft else None,
+            "usage": usage.compute()}
 
 
 class EvaluateError(UserError, RuntimeError):
@@ -43,24 +109,16 @@ class EvaluateError(UserError, RuntimeError):
 
 
 def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.device | str = "cpu"):
-    """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path).
-
-    The quantizer's state comes from the checkpoint, its temperature schedule included (DDCL:
-    τ where training left it, i.e. the final temperature for a finished run). A config.yaml
-    written before the schedule keys moved to ``quantizer.*`` is read with them moved.
-    """
-    from ddcl_vq.tokenizer.builders import build_model
-    from ddcl_vq.common.checkpoint import latest_checkpoint, load_into
-    from ddcl_vq.tokenizer.config import load_config
-    from ddcl_vq.common.data import image_channels
+    """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path); the quantizer's state (DDCL's τ
+    included) comes from the checkpoint."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
-    cfg = load_config(run_dir / "config.yaml", overrides, migrate=True)
+    cfg = load_config(run_dir / "config.yaml", overrides, saved=True)
     if overrides:
-        check_overrides(run_dir, load_config(run_dir / "config.yaml", migrate=True), cfg)
+        check_overrides(run_dir, load_config(run_dir / "config.yaml", saved=True), cfg)
     found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu")
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
@@ -80,11 +138,7 @@ TRAINING_USAGE_KEYS = ("queue_utilization", "queue_indices", "queue_ceiling", "b
 
 
 def check_overrides(run_dir: Path, trained, asked) -> None:
-    """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*):
-    the checkpoint decides those (the temperature included: the run's schedule is saved in it), so
-    such an override would be ignored or fail to load."""
-    from ddcl_vq.tokenizer.config import differences
-    # overrides may change the data, where it runs and the (same-result) implementation, not the model
+    """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*)."""
     fixed = [(k, a, b) for k, a, b in differences(trained, asked)
              if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"]
     if fixed:
@@ -97,15 +151,13 @@ def check_overrides(run_dir: Path, trained, asked) -> None:
 
 
 def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str = "test") -> Optional[str]:
-    """None when ``overrides`` evaluate the run's own data; else a name for the other data (``digits``;
-    ``natural_patches_camera_moon`` for other photographs): the evaluation then goes to RUN_DIR/eval_<name>.json, not
-    eval.json. None too when the run has no readable config (load_run says why)."""
-    from ddcl_vq.tokenizer.config import ConfigError, load_config
+    """None when ``overrides`` evaluate the run's own data (or its config cannot be read); else a name for the other
+    data (``digits``, ``natural_patches_camera_moon``): its evaluation goes to RUN_DIR/eval_<name>.json."""
     config = Path(run_dir) / "config.yaml"
     if not overrides or not config.is_file():
         return None
     try:
-        trained, asked = load_config(config, migrate=True), load_config(config, overrides, migrate=True)
+        trained, asked = load_config(config, saved=True), load_config(config, overrides, saved=True)
     except ConfigError:
         return None
     key = "train_photos" if split == "train" else "test_photos"
@@ -116,8 +168,7 @@ def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str =
 
 
 def file_digest(path: str | Path) -> str:
-    """sha256 of a file's bytes (what an evaluation records of its checkpoint: freshness by content,
-    not by file times, which ``cp -p`` or a restored backup keep or fake)."""
+    """sha256 of a file's bytes (an evaluation's freshness is by its checkpoint's content, not by file times)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -128,17 +179,8 @@ def file_digest(path: str | Path) -> str:
 def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
                  overrides: Sequence[str] = (), progress: bool = False, command: Optional[str] = None,
                  write: bool = True, made_by: str = "evaluate") -> Dict:
-    """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict.
-
-    ``made_by`` (``evaluate``, ``compare``, ``study``) is recorded with the command, so a later
-    ``compare`` knows whose result an eval.json is (it does not overwrite an ``evaluate`` one). Under torchrun every
-    process takes a disjoint share of the images and every metric is a float64 sum all-reduced before dividing, so the
-    numbers equal a single-process pass up to float summation order."""
-    from ddcl_vq.common.data import build_dataset, resolve_workers
-    from ddcl_vq.tokenizer.train import setup_distributed
-    from ddcl_vq.tokenizer.testset import reconstruction_pass
-    from ddcl_vq.distributed import rank
-    from ddcl_vq.common.rundir import writable_dir
+    """Evaluate ``run_dir`` and (on rank 0, when ``write``) write RUN_DIR/eval.json; returns the dict. ``made_by``
+    (evaluate, compare, study) is recorded: compare never overwrites an evaluate result."""
     run_dir = Path(run_dir)
     # config first (clear errors before any process group starts)
     cfg, model, step, ckpt = load_run(run_dir, overrides, "cpu")
@@ -197,14 +239,11 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
 
 def load_run_dataset(run_dir: str | Path) -> str:
     """The data.name the run was trained on (its config.yaml without overrides)."""
-    from ddcl_vq.tokenizer.config import load_config
-    return load_config(Path(run_dir) / "config.yaml", migrate=True).data.name
+    return load_config(Path(run_dir) / "config.yaml", saved=True).data.name
 
 
 def eval_path(run_dir: str | Path, out: Optional[str | Path] = None, tag: Optional[str] = None) -> Path:
-    """Where an evaluation goes: RUN_DIR/eval.json (RUN_DIR/eval_<tag>.json for other data than the
-    run's own, see :func:`heldout_tag`), or ``out`` (a .json file, or a folder to write eval.json
-    into) for a run directory that cannot or should not be written (an archived run)."""
+    """RUN_DIR/eval.json (eval_<tag>.json for other data), or ``out`` (a .json file, or a folder for eval.json)."""
     if out is None:
         return Path(run_dir) / ("eval.json" if tag is None else f"eval_{tag}.json")
     out = Path(out)
@@ -213,23 +252,7 @@ def eval_path(run_dir: str | Path, out: Optional[str | Path] = None, tag: Option
 
 def write_eval(run_dir: Path, ev: Dict, path: Optional[Path] = None) -> Path:
     """RUN_DIR/eval.json (or ``path``), atomically (temporary file, rename)."""
-    path = Path(path) if path is not None else Path(run_dir) / "eval.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(ev, indent=2) + "\n")
-        tmp.replace(path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise EvaluateError(f"could not write {str(path)!r} ({type(err).__name__}: {err.strerror or err})") from None
-    return path
-
-
-def fmt(v, spec: str) -> str:
-    """``format(v, spec)``; '—' for None, and inf or nan as they are."""
-    if v is None:
-        return "—"
-    return str(v) if isinstance(v, float) and not math.isfinite(v) else format(v, spec)
+    return write_json(Path(path) if path is not None else Path(run_dir) / "eval.json", ev, EvaluateError)
 
 
 def format_report(ev: Dict) -> str:
@@ -255,10 +278,11 @@ def format_report(ev: Dict) -> str:
               "|---|---|---|---|---|---|",
               f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
               f"| {fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
-              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: {fmt(c.get('utilization_ceiling'), '.1%')}; "
-              f"training's last indices: queue {fmt(c.get('queue_utilization'), '.1%')} of "
-              f"{fmt(c.get('queue_indices'), ',')} (ceiling {fmt(c.get('queue_ceiling'), '.1%')}), per batch "
-              f"{fmt(c.get('batch_utilization'), '.1%')} (ceiling {fmt(c.get('batch_ceiling'), '.1%')})",
+              f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: "
+              f"{fmt(c.get('utilization_ceiling'), '.1%')}; training's last indices: queue "
+              f"{fmt(c.get('queue_utilization'), '.1%')} of {fmt(c.get('queue_indices'), ',')} (ceiling "
+              f"{fmt(c.get('queue_ceiling'), '.1%')}), per batch {fmt(c.get('batch_utilization'), '.1%')} (ceiling "
+              f"{fmt(c.get('batch_ceiling'), '.1%')})",
               f"code distances: min {fmt(c['min_code_distance'], '.4g')}, mean {fmt(c['mean_code_distance'], '.4g')} "
               f"(all codes); min {fmt(c['min_active_code_distance'], '.4g')}, mean "
               f"{fmt(c['mean_active_code_distance'], '.4g')} (active codes)", f"lpips: {ev['lpips_note']}",
@@ -282,7 +306,7 @@ class EvaluateOptions:
                                   metavar="key=value")
 
 
-OPTIONS = Options(EvaluateOptions, prog="ddcl-vq evaluate", description=HELP, intermixed=True,
+OPTIONS = Options(EvaluateOptions, prog="ddcl-vq evaluate", description=__doc__, intermixed=True,
                   rules=Rules(choices={"split": SPLITS}, positive={"batch_size", "threads"},
                               non_negative={"max_images"}))
 
@@ -292,8 +316,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
     set_threads(opts.threads)
 
-    from ddcl_vq.distributed import rank
-    from ddcl_vq.common.rundir import RunDirError, writable_dir
     cmd = shlex.join(["ddcl-vq", "evaluate"] + list(sys.argv[1:] if argv is None else argv))
     path = eval_path(opts.run_dir, opts.out, heldout_tag(opts.run_dir, opts.overrides, opts.split))
     if rank() == 0 and Path(opts.run_dir).is_dir():
@@ -315,11 +337,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_report(ev))
         print(f"\nwrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    from ddcl_vq.common.skeleton import teardown_distributed
-    code = main()
-    if code == 0:
-        teardown_distributed()
-    sys.exit(code)

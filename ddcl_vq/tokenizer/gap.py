@@ -1,34 +1,19 @@
-"""``ddcl-vq gap RUN_DIR ...``: where a trained run's reconstruction error comes from (HELP says what it measures).
+"""Where a trained run's reconstruction error comes from; prints a markdown table, one row per run.
 
-The row's keys, on the first ``--images`` images of the split: ``psnr_hard`` (the decoder on the hard codes: what a
-prior or a deployed decoder sees); ``psnr_unquantized`` (the decoder fed the encoder's features without quantization — a
-decoder trained only on coarse codes may not read features between them: in the VQGAN recipe every quantizer's gap is
-within 0.12 dB, HardVQ's with 62% of the variance left, docs/vqgan.md); ``gap_db`` = psnr_unquantized − psnr_hard;
-``relative_distortion`` (mean squared nearest-code distance over the features' total variance); ``psnr_lloyd`` (after
-``--lloyd`` hard k-means steps on ``--fit-images`` training images' features; each step assigns to the nearest code and
-moves each code with vectors to their mean). The last four are left out for FSQ and LFQ, whose index rounds a projection
-rather than naming the nearest code (their decoder never sees the encoder's features as they are).
+On the first --images images of the split: psnr_hard (the decoder on the hard codes); psnr_unquantized (the decoder
+fed the encoder's features without quantization); gap_db = psnr_unquantized - psnr_hard; relative_distortion (mean
+squared nearest-code distance over the features' variance); psnr_lloyd (after --lloyd hard k-means steps on
+--fit-images training images' features); none of these for FSQ and LFQ. Codebook use: utilization_hard,
+utilization_lloyd (the re-fitted codebook's), utilization_sampled / psnr_sampled (K training features drawn at random
+as a codebook). Token stability: token_flips under Gaussian pixel noise of sd --noise, duplicate_codes (nearest other
+code within DUPLICATE_FRACTION of the median spacing, squared), their share of the tokens and how often those flip.
 
-Codebook use on the measured images: ``utilization_hard`` (the share of the K codes the hard tokens use), and for
-quantizers that assign the nearest code ``utilization_lloyd`` (of the re-fitted codebook) and ``utilization_sampled`` /
-``psnr_sampled`` (a codebook of K of the fit features drawn at random, seed 0, when there are at least K: codes that
-sit on the encoder's current features and nothing more — where a codebook placed only by re-seeding on data would be;
-with fewer than K images' features it is None). How close a codebook's use can come to 100% on a split depends on the
-split's size against K as much as on the codebook: this row says what an ideal placement reaches on the same images.
-
-How stable the tokens are (what a prior over them pays for, docs/prior.md): ``token_flips`` (under Gaussian pixel noise
-of sd ``--noise``, about 1.3/255 at the default; fixed seed; images clamped to [0, 1]), ``duplicate_codes`` (nearest
-other code closer than :data:`DUPLICATE_FRACTION` of the median squared nearest-other-code distance: one code in two
-places), ``duplicate_token_share`` (the share of the measured tokens that are such codes) and ``duplicate_token_flips``
-(how often those flip under the noise).
-
-Shapes: features are (B, D, h, w); the codebook is (K, D). The hard codes are the quantizer's own (its forward in eval
-mode); for a quantizer that assigns the nearest code, the re-fitted codebook is decoded the same way.
+  ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
+  ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -37,24 +22,23 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from ddcl_vq.base import squared_distances
+from ddcl_vq import blocks
 from ddcl_vq.usage import CodebookUsage
-from ddcl_vq.blocks import nearest_other_code
-from ddcl_vq.common.data import SPLITS
-from ddcl_vq.common.errors import entry_point
+
+from ddcl_vq.common.checkpoint import write_json
 from ddcl_vq.common.config import Options, Rules, option
-from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE
+from ddcl_vq.common.data import SPLITS, SequentialBatches, build_dataset, make_loader
+from ddcl_vq.common.errors import entry_point
+from ddcl_vq.common.progress import fmt
+from ddcl_vq.tokenizer.config import CHOICES
+from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, EvaluateError, load_run
 
-from ddcl_vq.tokenizer.evaluate import EvaluateError, load_run
 
-
-def nearest_codes(vectors: Tensor, codebook: Tensor, rows: int = 4096) -> tuple[Tensor, Tensor]:
-    """(N, D), (K, D) -> (indices (N,), squared distance to the nearest code (N,)), in row blocks."""
+def nearest_codes(vectors: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, D), (K, D) -> (indices (N,), squared distance to the nearest code (N,)), the codebook centred first."""
     center = codebook.mean(0)
-    w = codebook - center
-    mins = [squared_distances(vectors[start:start + rows] - center, w).min(1)
-            for start in range(0, vectors.shape[0], rows)]
-    return torch.cat([m.indices for m in mins]), torch.cat([m.values for m in mins])
+    distances, indices = blocks.nearest_codes(vectors - center, codebook - center)
+    return indices, distances
 
 
 def lloyd_step(codebook: Tensor, vectors: Tensor) -> Tensor:
@@ -66,7 +50,6 @@ def lloyd_step(codebook: Tensor, vectors: Tensor) -> Tensor:
 
 
 def _images(dataset, n: int) -> Tensor:
-    from ddcl_vq.common.data import SequentialBatches, make_loader
     n = min(n, len(dataset))
     if n <= 0:
         raise EvaluateError("nothing to measure: the split has no images")
@@ -90,8 +73,7 @@ def _psnr(model, images: Tensor, features: Tensor, batch_size: int) -> float:
 
 
 def _hard_codes(quantizer, features: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
-    """(B, D, h, w) features -> (the codes the quantizer decodes (B, D, h, w), their indices (B·h·w,)),
-    by the quantizer itself in eval mode (FSQ and LFQ round a projection: not the nearest row)."""
+    """(B, D, h, w) features -> (the codes the quantizer decodes (B, D, h, w), their indices (B·h·w,))."""
     codes, indices = [], []
     for i in range(0, len(features), batch_size):
         out = quantizer(features[i:i + batch_size])
@@ -100,15 +82,13 @@ def _hard_codes(quantizer, features: Tensor, batch_size: int) -> tuple[Tensor, T
     return torch.cat(codes), torch.cat(indices)
 
 
-#: a code is a near-duplicate when its squared distance to the nearest other code is below this
-#: fraction of the median squared nearest-other-code distance
+#: a code is a near-duplicate below this fraction of the median squared nearest-other-code distance
 DUPLICATE_FRACTION = 0.01
 
 
 def duplicate_codes(codebook: Tensor, rows: Optional[int] = None) -> Tensor:
-    """(K, D) -> (K,) bool: codes whose nearest other code is nearer than DUPLICATE_FRACTION of the
-    median nearest-other-code distance (squared)."""
-    nearest = nearest_other_code(codebook, rows=rows)
+    """(K, D) -> (K,) bool: the near-duplicate codes (:data:`DUPLICATE_FRACTION`)."""
+    nearest = blocks.nearest_other_code(codebook, rows=rows)
     return nearest < DUPLICATE_FRACTION * nearest.median()
 
 
@@ -116,15 +96,12 @@ def duplicate_codes(codebook: Tensor, rows: Optional[int] = None) -> Tensor:
 def quantization_gap(run_dir: str | Path, images: int = 2000, fit_images: int = 4000, lloyd: int = 3,
                      split: str = "test", batch_size: int = 250, noise: float = 0.005,
                      data: Optional[str] = None) -> Dict:
-    """The figures described in the module docstring, for one run directory (``data``: measure on
-    that dataset's ``split`` instead of the run's own; the Lloyd steps still fit the run's own data)."""
-    from ddcl_vq.common.data import build_dataset
+    """The figures described in the module docstring, for one run directory (``data``: measure on that dataset)."""
     cfg, model, step, _ = load_run(run_dir)
     if model.quantizer.channel_dim != 1:
         raise EvaluateError("gap expects a VQ-VAE whose quantizer takes (B, D, h, w) features")
     measured = cfg.data
     if data is not None:
-        from ddcl_vq.tokenizer.config import CHOICES
         if data not in CHOICES["data.name"]:
             raise EvaluateError(f"--data: expected one of {CHOICES['data.name']}, got {data!r}")
         measured = dataclasses.replace(cfg.data, name=data)
@@ -183,10 +160,6 @@ def _utilization(indices: Tensor, num_codes: int) -> float:
     return usage.compute().utilization
 
 
-def _num(value: Optional[float], spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def markdown(rows: Sequence[Dict]) -> str:
     lines = ["| run | K | PSNR hard (dB) | after Lloyd steps | decoder(z), unquantized | quantization gap (dB) "
              "| nearest-code distance / variance | tokens flipped by noise | near-duplicate codes "
@@ -198,31 +171,11 @@ def markdown(rows: Sequence[Dict]) -> str:
         sampled = "—" if r.get("utilization_sampled") is None else \
             f"{r['utilization_sampled']:.1%} ({r['psnr_sampled']:.2f} dB)"
         lines.append(f"| {Path(r['run']).name} | {r['num_codes']} | {r['psnr_hard']:.2f} | {lloyd} | "
-                     f"{_num(r['psnr_unquantized'], '.2f')} | {_num(r['gap_db'], '.2f')} | "
-                     f"{_num(r['relative_distortion'], '.2%')} | {100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | "
+                     f"{fmt(r['psnr_unquantized'], '.2f')} | {fmt(r['gap_db'], '.2f')} | "
+                     f"{fmt(r['relative_distortion'], '.2%')} | {100 * r['token_flips']:.1f}% (sd {r['noise']:g}) | "
                      f"{r['duplicate_codes']} | {100 * r['duplicate_token_share']:.1f}% ({dup_flips}) | "
-                     f"{r['utilization_hard']:.1%} / {_num(r.get('utilization_lloyd'), '.1%')} / {sampled} |")
+                     f"{r['utilization_hard']:.1%} / {fmt(r.get('utilization_lloyd'), '.1%')} / {sampled} |")
     return "\n".join(lines)
-
-
-HELP = """\
-Where a trained run's reconstruction error comes from. For each run, on the first --images images
-of the split: hard-code PSNR; the decoder fed the encoder's features without quantization (what
-the encoder/decoder pair reaches with an infinitely fine codebook, if the decoder reads features
-between the codes: a gap near 0 with a large nearest-code distance says it does not); their gap
-(the part of the error due to quantization); the mean squared nearest-code distance over the
-features' variance; and hard PSNR after --lloyd hard k-means steps of the codebook on
---fit-images training images' features (if these add nothing, the codebook sits where hard
-k-means would put it); how many tokens change under pixel noise of sd --noise, and the
-near-duplicate codes (nearest other code within 1% of the median spacing, squared) with their
-share of the tokens; and the share of the K codes in use on those images: by the run's hard
-tokens, by the re-fitted codebook, and by a codebook of K training features drawn at random (what
-codes placed on the encoder's features reach on the same images: with few images per code no
-codebook uses all of them). Prints a markdown table, one row per run.
-
-  ddcl-vq gap runs/fashion_ddcl runs/fashion_vqp
-  ddcl-vq gap runs/a runs/b --images 10000 --lloyd 0 --json gap.json
-"""
 
 
 @dataclass(kw_only=True)
@@ -239,7 +192,7 @@ class GapOptions:
     json: Optional[str] = option(None, "also write the rows as JSON", metavar="FILE")
 
 
-OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=HELP,
+OPTIONS = Options(GapOptions, prog="ddcl-vq gap", description=__doc__,
                   rules=Rules(choices={"split": SPLITS}, positive={"images", "fit_images", "noise"},
                               non_negative={"lloyd"}))
 
@@ -251,9 +204,5 @@ def main(argv: Optional[List[str]] = None) -> int:
             for r in opts.runs]
     print(markdown(rows))
     if opts.json:
-        Path(opts.json).write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(opts.json, rows)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

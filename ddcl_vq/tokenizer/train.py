@@ -1,52 +1,53 @@
-"""The training loop, top to bottom: set-up, resume, steps, logging, checkpoints, summary.
+"""``ddcl-vq train`` and its loop, top to bottom: set-up, resume, steps, logging, checkpoints, summary.
 
-:func:`train` reads on one screen. What every training loop does around its step — run directory and lock, resume,
-atomic checkpoints, RNG state, metrics.jsonl, TensorBoard, progress, torchrun, SIGTERM/SIGINT — is
-:class:`~ddcl_vq.common.skeleton.TrainingRun`; this loop's own pieces are :class:`LogState` and :class:`RunLog` (the
-usage window, the metrics line, image grids), :func:`training_step` (one step: forward, loss, backward, optimizer,
-discriminator; ``ddcl-vq bench`` times it too) and :func:`end_of_run_evaluation`. The quantizer is driven only through
-the ``ddcl_vq.Quantizer`` interface: ``step()`` once per optimizer step (DDCL advances its temperature schedule),
-``log_stats()`` for extra scalars, ``has_soft_codes`` for image grids.
-
-Distributed training is detected from the environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK): the process group
-starts with NCCL on GPUs, gloo on CPUs; the model is wrapped in DistributedDataParallel; data.batch_size is the *global*
-batch, split evenly over processes, and train.lr applies to that global batch (DDP averages gradients), so a config
-means the same optimisation on 1 or N processes. Only rank 0 writes files.
+What every training loop does around its step — run directory and lock, resume, atomic checkpoints, RNG state,
+metrics.jsonl, TensorBoard, progress, torchrun, SIGTERM/SIGINT — is :class:`~ddcl_vq.common.skeleton.TrainingRun`; this
+loop's own pieces are :class:`LogState` and :class:`RunLog` (the usage window, the metrics line, image grids),
+:func:`training_step` (``ddcl-vq bench`` times it too) and the end-of-run evaluation. The quantizer is driven only
+through the ``ddcl_vq.Quantizer`` interface (``step()``, ``log_stats()``, ``has_soft_codes``). Under torchrun
+data.batch_size is the *global* batch, split evenly over processes, and train.lr applies to it (DDP averages
+gradients): a config means the same optimisation on 1 or N processes. Only rank 0 writes files.
 """
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, RecentUsage, UsageStats
+from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
+from ddcl_vq.usage import RecentUsage
 from ddcl_vq.distributed import all_reduce_sum_
 from ddcl_vq.models import VQVAE, VQVAEOutput
 
+from ddcl_vq.common.checkpoint import write_json
+from ddcl_vq.common.config import ConfigError, Options, Rules, option
+from ddcl_vq.common.data import (EpochBatches, UnreadableImage, build_dataset, check_data, image_channels, make_loader,
+                                 resolve_workers)
+from ddcl_vq.common.errors import Diverged, UserError, entry_point, one_line, tensorboard_hint, tool, where
+from ddcl_vq.common.rundir import note
+from ddcl_vq.common.skeleton import TrainingRun, is_due, teardown_distributed, wrap_ddp
+from ddcl_vq.common import threads
 from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
-from ddcl_vq.tokenizer.config import Config, TrainConfig, dump_config
-from ddcl_vq.common.data import EpochBatches, build_dataset, image_channels, make_loader, resolve_workers
-from ddcl_vq.common.errors import Diverged, UserError, one_line
+from ddcl_vq.tokenizer.config import (Config, TrainConfig, check_resume, dump_config, finished_summary, follow_run_dir,
+                                      load_config, run_dir_of_config, saved_config, validate_training)
+from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, reconstruction_pass
 from ddcl_vq.tokenizer.losses import GANStep
 from ddcl_vq.tokenizer.memory import NotEnoughMemory, check_fits
-from ddcl_vq.common.rundir import note
-from ddcl_vq.tokenizer.config import check_resume, finished_summary, saved_config
-from ddcl_vq.common.config import ConfigError
-from ddcl_vq.common.skeleton import TrainingRun, is_due, setup_distributed, teardown_distributed, wrap_ddp  # noqa: F401 - the commands import them here
-from ddcl_vq.tokenizer.testset import EVAL_BATCH_SIZE, reconstruction_pass
+from ddcl_vq.tokenizer.tokens import init_from_export
 
 
 class LogState:
-    """What the log carries from step to step, saved in checkpoints (as ``log_state``) so that a resumed run logs what
-    the straight run logs: the usage window being accumulated (``train.usage_window``), the last completed window's
-    figures, the queue of recent training indices and the window's per-batch usage (:class:`~ddcl_vq.RecentUsage`) with
-    their last figures, the cumulative ``revived`` count at the last metrics line."""
+    """What the log carries from step to step, saved in checkpoints (``log_state``) so that a resumed run logs what the
+    straight run logs: the usage window (``train.usage_window``) and its last figures, the recent training indices
+    (:class:`~ddcl_vq.RecentUsage`) and their last figures, the cumulative ``revived`` count at the last metrics
+    line."""
 
     def __init__(self, model: VQVAE, device: torch.device, world: int = 1, is_main: bool = True):
         self.is_main = is_main
@@ -60,14 +61,12 @@ class LogState:
         """Every process calls this (the window's counts are summed over processes: rank 0 saves them all)."""
         counts, mass = all_reduce_sum_(self.usage.counts.clone()), all_reduce_sum_(self.usage.soft_mass.clone())
         return {"counts": counts.cpu(), "soft_mass": mass.cpu(), "has_soft": self.usage.has_soft,
-                "stats": None if self.stats is None else {**self.stats.to_dict(), "counts": torch.tensor(self.stats.counts)},
+                "stats": None if self.stats is None else {**self.stats.to_dict(),
+                                                          "counts": torch.tensor(self.stats.counts)},
                 "revived_logged": self.revived_logged, "recent": self.recent.state_dict(),
                 "recent_stats": self.recent_stats}
 
-    def load_state_dict(self, state: Optional[Dict]) -> None:
-        """A checkpoint's log state (none in checkpoints from before it was saved: the window starts empty)."""
-        if not state:
-            return
+    def load_state_dict(self, state: Dict) -> None:
         if self.is_main:  # the others start from zero: the next all-reduce sums to the saved window plus the new steps
             self.usage.counts.copy_(state["counts"])
             self.usage.soft_mass.copy_(state["soft_mass"])
@@ -75,9 +74,8 @@ class LogState:
         stats = state["stats"]
         self.stats = None if stats is None else UsageStats(**{**stats, "counts": stats["counts"].tolist()})
         self.revived_logged = float(state["revived_logged"])
-        if "recent" in state:  # checkpoints from before the queue was kept start with an empty one
-            self.recent.load_state_dict(state["recent"])
-            self.recent_stats = state["recent_stats"]
+        self.recent.load_state_dict(state["recent"])
+        self.recent_stats = state["recent_stats"]
 
 
 #: TensorBoard names of metrics.jsonl keys whose name alone would mislead
@@ -85,10 +83,9 @@ TB_NAMES = {"revived": "revived_total"}
 
 
 class RunLog:
-    """What this loop reports beside the skeleton's: the windowed codebook usage every
-    ``train.usage_window`` steps (all-reduced, so every process takes part), the metrics line every
-    ``train.log_every`` steps (:meth:`record`), image grids every ``train.image_every`` steps.
-    Files on rank 0 only, through ``run`` (metrics.jsonl, its TensorBoard writer)."""
+    """What this loop reports beside the skeleton's: the codebook usage every ``train.usage_window`` steps
+    (all-reduced: every process takes part), the metrics line every ``train.log_every`` steps (:meth:`record`), image
+    grids every ``train.image_every`` steps; files on rank 0 only, through ``run``."""
 
     def __init__(self, cfg: Config, run: TrainingRun, model: VQVAE, preview: torch.Tensor, state: LogState):
         self.cfg, self.t, self.run, self.model, self.preview, self.state = cfg, cfg.train, run, model, preview, state
@@ -116,13 +113,9 @@ class RunLog:
             self.images(step)
 
     def record(self, loss, recon_loss, out: VQVAEOutput, optimizer) -> Dict:
-        """One metrics.jsonl line (after its ``step``): losses, the quantizer's terms and extra statistics, lr,
-        usage window.
-
-        ``codebook_lr`` only when the optimizer trains a codebook (an M-step or EMA codebook has no
-        learning rate; lines of runs before 2026-12 carry the encoder's lr under that name).
-        ``revived`` (DDCL) is cumulative: codes re-seeded since the run began (TensorBoard:
-        ``revived_total``); ``revived_new``: those re-seeded since the previous line."""
+        """One metrics.jsonl line: losses, the quantizer's terms and statistics, lr (``codebook_lr`` when the optimizer
+        trains a codebook), usage. ``revived`` (DDCL) counts the codes re-seeded since the run began (TensorBoard:
+        ``revived_total``), ``revived_new`` those since the previous line."""
         q = out.quantizer
         record = {"time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
                   "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
@@ -151,26 +144,13 @@ class RunLog:
 
     def images(self, step: int) -> None:
         """original | hard-code | soft-code (when the quantizer has soft codes) reconstructions."""
-        model = self.model
-        model.eval()
-        with torch.no_grad():
-            hard = model.reconstruct(self.preview, "hard")
-            soft = model.reconstruct(self.preview, "soft") if model.quantizer.has_soft_codes else None
-        model.train()
         from torchvision.utils import make_grid
-        rows = [self.preview, hard] + ([soft] if soft is not None else [])
+        self.model.eval()
+        rows = [self.preview] + [self.model.reconstruct(self.preview, codes)
+                                 for codes in ("hard", "soft")[:2 if self.model.quantizer.has_soft_codes else 1]]
+        self.model.train()
         grid = make_grid(torch.cat(rows).clamp(0, 1), nrow=self.preview.shape[0], padding=1)
         self.run.writer.add_image("reconstructions/original_hard_soft", grid, step)
-
-
-def end_of_run_evaluation(model: VQVAE, test_set, cfg: Config, device: torch.device) -> Dict:
-    """Hard- (and soft-) code reconstruction and dataset-level codebook usage on the first
-    ``train.eval_images`` test images, for summary.json."""
-    result = reconstruction_pass(model, test_set, batch_size=EVAL_BATCH_SIZE, device=device,
-                                 max_images=cfg.train.eval_images, num_workers=resolve_workers(cfg.data, test_set))
-    usage = result["usage"]
-    return dict(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
-                codebook={k: v for k, v in usage.to_dict().items() if k != "counts"})
 
 
 def mixed_precision(amp: str, device: torch.device) -> tuple[Callable, torch.amp.GradScaler]:
@@ -187,11 +167,10 @@ def training_step(model: VQVAE, x: torch.Tensor, step: int, optimizer: torch.opt
                   t: TrainConfig, *, forward: Optional[torch.nn.Module] = None, autocast: Callable = nullcontext,
                   scaler: Optional[torch.amp.GradScaler] = None,
                   gan: Optional[GANStep] = None) -> Tuple[torch.Tensor, torch.Tensor, VQVAEOutput]:
-    """One training step on the batch ``x``: forward, the loss (the plain MSE, or ``gan``'s generator loss: pixel,
-    perceptual, adversarial), backward, gradient clipping, the optimizer and lr-schedule steps; then the discriminator's
-    step (``gan``) and the quantizer's per-step state. -> (loss, recon_loss, out). ``step``: optimizer steps done before
-    this one; ``forward``: the module to call (the DDP wrapper of ``model``), default ``model``; ``autocast``,
-    ``scaler``: :func:`mixed_precision` (default: none). The training loop and ``ddcl-vq bench`` both call this."""
+    """One training step on the (B, C, H, W) batch ``x``: forward, the loss (the plain MSE, or ``gan``'s: pixel,
+    perceptual, adversarial), backward, clipping, the optimizer and lr-schedule steps, the discriminator's step, the
+    quantizer's per-step state. -> (loss, recon_loss, out). ``step``: optimizer steps done before this one;
+    ``forward``: the module to call (the DDP wrapper of ``model``); ``autocast``, ``scaler``: see mixed_precision."""
     forward = model if forward is None else forward
     scaler = torch.amp.GradScaler("cuda", enabled=False) if scaler is None else scaler
     # the terms only the metrics line reads (DDCL's distortion and its split) on the steps it is written (RunLog)
@@ -230,16 +209,11 @@ class EndOfRunEvaluationFailed(UserError, RuntimeError):
 
 
 def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) -> Dict:
-    """Train (or resume) the run described by ``cfg``; returns the end-of-run summary.
-
-    ``stop_after``: leave after this many steps in this session, with a checkpoint, as if the job were pre-empted
-    (time-sliced clusters); running again resumes where it stopped. SIGTERM and SIGINT do the same at the step under way
-    and raise :class:`~ddcl_vq.common.errors.Stopped`.
-
-    The run directory is locked while training (a second training there is refused); a run resumes only with the config
-    it was trained with (RESUMABLE keys aside); a finished run with its summary is left as it is; when the end-of-run
-    evaluation fails, the finished training is kept and running the same command again only evaluates.
-    """
+    """Train (or resume) the run described by ``cfg``; returns the end-of-run summary. ``stop_after``: leave after this
+    many steps of this session, with a checkpoint (pre-emptible jobs; SIGTERM and SIGINT do the same and raise
+    :class:`~ddcl_vq.common.errors.Stopped`). A run resumes only with the config it was trained with (RESUMABLE keys
+    aside); a finished run is left as it is; when the end-of-run evaluation fails, the training is kept and the same
+    command again only evaluates."""
     t = cfg.train
     run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
                       name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(),
@@ -273,17 +247,14 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     train_set, test_set = (build_dataset(cfg.data, split, cfg.run.seed) for split in ("train", "test"))
     model = build_model(cfg, image_channels(cfg.data)).to(device)
     if t.init_from and found is None:  # a new run from an exported model (a resumed one has its own)
-        from ddcl_vq.tokenizer.init_from import init_from_export
         init_from_export(model, t.init_from)
     optimizer = build_optimizer(model, t, cfg.quantizer.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     # the loss section beyond the plain MSE (perceptual, discriminator): None for the defaults
     gan = GANStep.from_config(cfg, model, image_channels(cfg.data), device, world)
-    # The training batches' iterator is made BEFORE the RNG state is restored: making a DataLoader
-    # iterator draws its base seed from the global RNG, which training draws from too (DDCL's revival,
-    # torch.multinomial). A straight run draws it here, after building the model; a resumed run
-    # draws it here too, then restores the RNG state its checkpoint saved, so it continues the
-    # straight run's random stream exactly (its data order has its own generator, EpochBatches).
+    # The batches' iterator is made BEFORE the RNG state is restored: it draws its base seed from the global RNG, which
+    # training draws from too (DDCL's revival). A resumed run draws it here as the straight run did, then restores the
+    # RNG state its checkpoint saved: it continues the straight run's random stream exactly.
     batches = None
     if found_step < t.steps:
         batches = iter(make_loader(train_set, EpochBatches(len(train_set), cfg.data.batch_size, cfg.run.seed,
@@ -309,15 +280,18 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     summary = {"run": str(run.dir), "step": step, "train_seconds": round(train_seconds, 1),
                "eval_images": t.eval_images, "training_usage": log_state.recent_stats,
                "seconds": {"setup": round(t_start - t_setup, 1), "train": round(train_seconds, 1)}}
-    if t.eval_images > 0 and step >= t.steps:
+    if t.eval_images > 0 and step >= t.steps:  # hard (and soft) reconstruction, usage on the first test images
         try:
             t_eval = time.time()
-            summary.update(end_of_run_evaluation(model, test_set, cfg, device))
+            result = reconstruction_pass(model, test_set, EVAL_BATCH_SIZE, device, t.eval_images,
+                                         num_workers=resolve_workers(cfg.data, test_set))
+            summary.update(split="test", num_images=result["num_images"], hard=result["hard"], soft=result["soft"],
+                           codebook={k: v for k, v in result["usage"].to_dict().items() if k != "counts"})
             summary["seconds"]["evaluate"] = round(time.time() - t_eval, 1)
         except Exception as err:
             if is_main:
-                summary["evaluation_error"] = f"{type(err).__name__}: {one_line(err)}"
-                (run.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                failed = f"{type(err).__name__}: {one_line(err)}"
+                write_json(run.dir / "summary.json", {**summary, "evaluation_error": failed})
             kept = (f"training finished and was saved ({step} steps, {run.dir / 'checkpoints' / 'last.pt'}); the "
                     f"end-of-run evaluation failed")
             again = "Fix that and run the same command again: it evaluates without training again"
@@ -326,7 +300,7 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
             print(f"{kept}. {again}", file=sys.stderr)
             raise
     if is_main:
-        (run.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(run.dir / "summary.json", summary)
         if not run.quiet:
             print(format_summary(summary, run.dir))
     return summary
@@ -345,8 +319,12 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
         gan.autocast, log.extra_stats = autocast, gan.log_stats
 
     if run.is_main and not run.quiet and device.type == "cpu":
-        from ddcl_vq.common.threads import chosen
-        print(f"threads: {torch.get_num_threads()} ({chosen or 'set'}; train.threads sets it)", file=sys.stderr)
+        print(f"threads: {torch.get_num_threads()} ({threads.chosen or 'set'}; train.threads sets it)", file=sys.stderr)
+    warmup = getattr(model.quantizer, "warmup_steps", 0)
+    if run.is_main and not run.quiet and t.steps < warmup:
+        print(f"warning: train.steps={t.steps} ends inside the quantizer's warm-up (quantizer.warmup_steps={warmup}): "
+              "the decoder has not yet been trained on codes alone, so code use and hard-code quality are not yet "
+              f"meaningful (DDCL can look collapsed); train at least {warmup} steps to compare", file=sys.stderr)
     ddp_model.train()
     for step, (images, _) in run.steps(batches, step):
         x = images.to(device, non_blocking=True)
@@ -357,11 +335,11 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
 
 
 def format_summary(summary: Dict, run_dir: Path) -> str:
-    lines = [f"done: {summary['step']} steps ({summary['train_seconds']:.0f} s this session) -> {run_dir}"]
-    if "hard" not in summary:
-        lines[0] = (f"stopped at step {summary['step']} ({summary['train_seconds']:.0f} s this session); "
-                    f"checkpoint in {run_dir / 'checkpoints'}; run the same command again to resume")
-    if "hard" in summary:
+    done = "hard" in summary
+    lines = [f"done: {summary['step']} steps ({summary['train_seconds']:.0f} s this session) -> {run_dir}" if done else
+             f"stopped at step {summary['step']} ({summary['train_seconds']:.0f} s this session); checkpoint in "
+             f"{run_dir / 'checkpoints'}; run the same command again to resume"]
+    if done:
         c = summary["codebook"]
         lines.append(f"test set, {summary['num_images']} images, hard codes: MSE {summary['hard']['mse']:.5f}  "
                      f"PSNR {summary['hard']['psnr']:.2f} dB"
@@ -375,11 +353,75 @@ def format_summary(summary: Dict, run_dir: Path) -> str:
                          f"{r['batch_utilization']:.1%} (ceiling {r['batch_ceiling']:.1%})")
         lines.append("definitions:\n  " + USAGE_DEFINITIONS.replace("\n", "\n  "))
     seconds = summary.get("seconds") or {}
+    names = {"setup": "set-up (data, model)", "train": "training", "evaluate": "test-set evaluation"}
     if seconds:
-        names = {"setup": "set-up (data, model)", "train": "training", "evaluate": "test-set evaluation"}
-        parts = [f"{what} {seconds[key]:.0f} s" for key, what in names.items() if key in seconds]
-        lines.append(f"time: {', '.join(parts)}; {sum(seconds.values()):.0f} s in all")
-    from ddcl_vq.common.hints import tensorboard_hint, tool, where
-    lines.append(f"TensorBoard: {tensorboard_hint(run_dir / 'tb')}")
-    lines.append(f"full evaluation (SSIM, LPIPS): {tool('ddcl-vq')} evaluate {where(run_dir)}")
-    return "\n".join(lines)
+        lines.append(f"time: {', '.join(f'{what} {seconds[k]:.0f} s' for k, what in names.items() if k in seconds)}; "
+                     f"{sum(seconds.values()):.0f} s in all")
+    return "\n".join(lines + [f"TensorBoard: {tensorboard_hint(run_dir / 'tb')}",
+                              f"full evaluation (SSIM, LPIPS): {tool('ddcl-vq')} evaluate {where(run_dir)}"])
+
+
+# ----------------------------------------------------------------------------- the command
+HELP = """\
+Train a VQ-VAE from a YAML config. Dotted key=value overrides follow the options, e.g.
+
+  ddcl-vq train --config configs/fashion_ddcl.yaml train.steps=200 quantizer.temperature=0.02
+
+A run resumes from RUN_DIR/checkpoints when they exist (kill it and start the same
+command again), with the config it was trained with: a change to the model, optimizer, data or
+a schedule is refused (more train.steps, logging and checkpoint intervals may change);
+--config RUN_DIR/config.yaml continues a run as it was. One training at a time per run
+directory (RUN_DIR/train.lock). Multi-process: torchrun --nproc_per_node 2 -m ddcl_vq train --config ...
+
+train.threads: torch CPU threads per process (default null = auto: OMP_NUM_THREADS if set, one per process
+under torchrun, else the cores that are idle when the run starts, at most 4; the first line says which and
+why, and a resumed run keeps the count it was trained with).
+"""
+
+
+@dataclass(kw_only=True)
+class TrainOptions:
+    config: str = option(help="YAML config (see configs/)")
+    overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
+                                  metavar="key=value")
+    quiet: bool = option(False, "no progress bar or summary")
+    stop_after: Optional[int] = option(None, "leave after STEPS steps in this session with a checkpoint "
+                                             "(pre-emptible jobs); the same command resumes", metavar="STEPS")
+    print_config: bool = option(False, "print the resolved config and exit")
+    check_data: bool = option(False, "read every image of both splits (an image folder: decode each file), list "
+                                     "those that cannot be read, and exit (status 2 if any)")
+
+
+OPTIONS = Options(TrainOptions, prog="ddcl-vq train", description=HELP, rules=Rules(positive={"stop_after"}),
+                  intermixed=True)
+
+
+@entry_point("ddcl-vq train")
+def main(argv: Optional[List[str]] = None) -> int:
+    opts = OPTIONS.parse(argv)
+
+    # a run directory's own config.yaml (next to its checkpoints) is read as evaluate reads it: this version's keys
+    saved = run_dir_of_config(opts.config) is not None
+    cfg = load_config(opts.config, opts.overrides, saved=saved)
+    if saved:
+        validate_training(cfg)
+    # RUN_DIR/config.yaml trains RUN_DIR, also after cp -a or mv (its saved run.dir is stale then)
+    moved = follow_run_dir(cfg, opts.config, opts.overrides)
+    if moved and os.environ.get("RANK", "0") == "0":
+        note(moved)
+    if opts.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    if opts.check_data:
+        report, bad = check_data(cfg.data, cfg.run.seed)
+        print("\n".join(report))
+        for path, reason in bad:
+            print(f"unreadable: {path} ({reason})")
+        if bad:
+            raise UnreadableImage(f"{len(bad)} image(s) cannot be read (listed above); replace or remove them")
+        print("every image can be read")
+        return 0
+    threads.set_threads(cfg.train.threads)  # per process (under torchrun: each of them); the run's first line says why
+    train(cfg, quiet=opts.quiet, stop_after=opts.stop_after)
+    teardown_distributed()  # after success only: a barrier after a failure could hang
+    return 0

@@ -14,15 +14,76 @@ from ddcl_vq.common.machine import load_average, machine_info
 from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
-from ddcl_vq.studies.bench.cost import IMPLS, calibrate, plan_measurements
-from ddcl_vq.studies.bench.memory import available_memory_bytes, probe_main
-from ddcl_vq.studies.bench.report import MEMORY_TEXT, METHOD, format_table
-from ddcl_vq.studies.bench.run import run_bench
+from ddcl_vq.studies.bench.steps import IMPLS, calibrate, plan_measurements
+from ddcl_vq.studies.bench.run import available_memory_bytes, probe_main, run_bench
 
 FULL_N = (4096, 16384, 65536)
 FULL_D = (64, 256)
 FULL_K = (512, 1024, 8192, 65536)
 QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
+
+
+def format_table(rows: List[dict]) -> str:
+    head = f"{'impl':<26} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("ms") is None:
+            n, d, k = ("—" if r.get(key) is None else r[key] for key in ("N", "D", "K"))
+            lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
+                         f"skipped: {r.get('skipped', '')}")
+            continue
+        peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+        xv = "" if r.get("x_vqp") is None else f"{r['x_vqp']:.2f}"
+        pm = "" if r.get("pct_matmul6") is None else f"{r['pct_matmul6']:.0f}%"
+        note = []
+        if r.get("runs") == 1 and not r.get("warmup"):
+            note.append("single cold run")
+        elif r.get("probe") == "warmup":
+            note.append(f"{r['runs']} run(s) after warm-up; memory from the warm-up run")
+        if "ratio_vs_hardvq" in r:
+            note.append(f"{r['ratio_vs_hardvq']:.2f}x HardVQ step (median of per-round ratios "
+                        f"{r['paired_ratio_vs_hardvq']:.2f}x, {r['runs']} rounds"
+                        + (f"; CPU time {r['cpu_paired_ratio_vs_hardvq']:.2f}x" if "cpu_paired_ratio_vs_hardvq" in r
+                           else "") + ")"
+                        + (f", {r['page_faults']} page faults a step" if r.get("page_faults") is not None else "")
+                        + (f", path={r['path']}" if r.get("path") else ""))
+        if r.get("input_shape"):  # the VQGAN-recipe step
+            note.append(f"input {'x'.join(str(v) for v in r['input_shape'])}"
+                        + (", discriminator on" if r.get("disc_on") else "")
+                        + (f", LPIPS {r['perceptual_net']}" if r.get("perceptual_net") else ""))
+        if r.get("fallback"):
+            note.append(f"model: {r['source']} ({r['fallback']})")
+        lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
+                     + "; ".join(note))
+    return "\n".join(lines)
+
+
+METHOD = """\
+time: fwd+bwd wall clock, median of the timed repeats after warm-up, implementations interleaved
+      round-robin within a shape; {threads} torch thread(s).
+peak MB: {memory_text}
+x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shape.
+% 6mm: rate relative to the six bare matmuls of the full DDCL gradient at the same shape
+      (100% = as fast as the matmuls alone). straight_through DDCL (ddcl-mstep, ddcl-first) needs
+      only three of them (no gradient through q to z), so it can pass 100%.
+DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first batch;
+ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and first-batch
+set-up included, every run); ddcl-soft-<path> = soft mode (full gradient) on the reference, fused or
+chunked assignment path.
+Whole training steps, DDCL and HardVQ alternating round by round (ratios: to the HardVQ step of the same rounds):
+vqvae-step-* = configs/fashion_ddcl.yaml vs fashion_hard.yaml; vqgan-step-* = configs/vqgan_photos64.yaml
+(generator + discriminator, past disc_start) vs its HardVQ arm in configs/study_vqgan.yaml."""
+
+
+MEMORY_TEXT = {
+    "rss": "resident-set high-water mark above the baseline with inputs allocated (malloc_trim, then\n"
+           "      /proc/self/clear_refs resets VmHWM; VmHWM − VmRSS) over one probed run: a separate run after\n"
+           "      warm-up unless the note says it was the warm-up run or a single cold run.",
+    "subprocess": "ru_maxrss growth of one run in a fresh Python process, inputs allocated first.",
+    "none": "not measured (--memory none).",
+    "cuda": "CUDA allocator high-water mark (torch.cuda.max_memory_allocated, reset per probe) above what was\n"
+            "      allocated before the run (inputs, parameters, upstream gradients); one probed run as for rss.",
+}
 
 
 @dataclass(kw_only=True)
@@ -56,8 +117,9 @@ class BenchOptions:
 
 OPTIONS = Options(
     BenchOptions, prog="ddcl-vq bench",
-    description="Quantizer forward+backward time and peak memory, side by side: DDCL (reference, fused, chunked paths; "
-                "straight_through and soft modes), HardVQ, EMAVQ, vector-quantize-pytorch VectorQuantize (defaults) "
+    description="Quantizer forward+backward time and peak memory, side by side: DDCL (the default, straight_through "
+                "with the M-step codebook; soft mode on the reference, fused and chunked paths), HardVQ, EMAVQ, IBQ, "
+                "vector-quantize-pytorch VectorQuantize (defaults) "
                 "and the six-matmul floor, plus one default VQ-VAE training step and one VQGAN-recipe training step "
                 "(generator + discriminator) with DDCL vs HardVQ. Prints a table; --json writes the rows.",
     epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
@@ -116,12 +178,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     meta = machine_info()
     rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
-                     e2e_repeats=31 if quick else 41, e2e_warmup=10, e2e_reference=not quick, vqgan=not args.no_vqgan,
+                     e2e_repeats=31 if quick else 41, e2e_warmup=10, vqgan=not args.no_vqgan,
                      vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
                      device=device, **plan)
     prior_rows, prior_text = [], ""
-    if not (args.no_prior or args.shapes):  # the prior's sampling speed: ddcl_vq.prior.bench
-        from ddcl_vq.prior.bench import bench_prior
+    if not (args.no_prior or args.shapes):  # the prior's sampling speed
+        from ddcl_vq.prior.sampling import bench_prior
         prior_rows, prior_text = bench_prior(device, repeats=1 if quick else 3, no_cache=not quick)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -132,7 +194,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
     print(f"ddcl-vq bench — {on}{meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
           f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")
-    if meta.get("loadavg") and meta["cores"] and max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) > meta["cores"]:
+    load = max(meta["loadavg"][0], meta.get("loadavg_end", [0])[0]) if meta.get("loadavg") else 0
+    if meta["cores"] and load > meta["cores"]:
         print("warning: the load average exceeded the core count: other jobs shared the CPU, so absolute times are "
               "inflated; compare ratios within this run.")
     print(METHOD.format(threads=meta["threads"], memory_text=MEMORY_TEXT[memory]) + "\n")

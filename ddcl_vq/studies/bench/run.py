@@ -1,14 +1,115 @@
-"""Measuring a plan: warm-up, memory probe and timed repeats, round-robin within a shape; ratios."""
+"""Measuring a plan: warm-up, memory probe and timed repeats, round-robin within a shape; ratios. Peak memory:
+in-process (VmHWM reset per probe, or the CUDA allocator's peak) or in a fresh process."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import json
 import statistics
+import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ddcl_vq.studies.bench.cost import FLOOR_MATMULS, Plan, calibrate, plan_measurements, time_once
-from ddcl_vq.studies.bench.memory import CudaProbe, RssProbe, available_memory_bytes, probe_subprocess
-from ddcl_vq.studies.bench.steps import e2e_rows, make_inputs, make_step
+from ddcl_vq.fused import release_buffers
+from ddcl_vq.studies.bench.steps import (FLOOR_MATMULS, Plan, calibrate, e2e_rows, make_inputs, make_step,
+                                        plan_measurements, time_once)
+
+
+def _status_kb(field: str) -> Optional[int]:
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    return None
+
+
+class RssProbe:
+    """Peak extra resident memory of a block of code, in MiB (Linux only): VmHWM, reset by ``start`` (malloc_trim,
+    /proc/self/clear_refs), minus the VmRSS baseline."""
+
+    def __init__(self):
+        self._libc, self.base_kb = None, 0
+        with contextlib.suppress(OSError):
+            self._libc = ctypes.CDLL("libc.so.6")
+
+    @staticmethod
+    def available() -> bool:
+        if _status_kb("VmHWM") is None:
+            return False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        release_buffers()  # the fused path's held q buffer: a probed run counts it as its own
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base_kb = _status_kb("VmRSS") or 0
+
+    def stop(self) -> float:
+        return max(0, (_status_kb("VmHWM") or 0) - self.base_kb) / 1024.0
+
+
+class CudaProbe:
+    """Peak extra CUDA memory of a block of code, in MiB, above what was allocated at ``start``."""
+
+    def __init__(self, device="cuda"):
+        import torch
+        self.torch, self.device, self.base = torch, torch.device(device), 0
+
+    def start(self) -> None:
+        release_buffers()  # the fused path's held q buffer: a probed run counts it as its own
+        gc.collect()
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = self.torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> float:
+        self.torch.cuda.synchronize(self.device)
+        return max(0, self.torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+
+
+def available_memory_bytes(device: str = "cpu") -> int:
+    """Free memory on ``device`` (:func:`~ddcl_vq.tokenizer.memory.available_bytes`); 8 GiB when unknown."""
+    import torch
+    from ddcl_vq.tokenizer.memory import available_bytes
+    return available_bytes(torch.device(device)) or 8 << 30
+
+
+def probe_subprocess(name: str, shape: Tuple[int, int, int]) -> Optional[float]:
+    """Peak extra memory of one run of ``name`` in a fresh interpreter (ru_maxrss growth)."""
+    n, d, k = shape
+    cmd = [sys.executable, "-m", "ddcl_vq", "bench", "--_probe", name, str(n), str(d), str(k)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
+    except (subprocess.CalledProcessError, ValueError, KeyError, IndexError):
+        return None
+
+
+def probe_main(name: str, n: int, d: int, k: int) -> int:
+    """The child side of :func:`probe_subprocess` (``python -m ddcl_vq bench --_probe ...``)."""
+    import resource
+    small = make_inputs(64, d, min(k, 64))
+    make_step(name, small)()                  # load kernels and lazy state on a tiny shape
+    inp = make_inputs(n, d, k)
+    step = make_step(name, inp)
+    gc.collect()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = max(base, _status_kb("VmRSS") or 0)
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": max(0, peak - base) / 1024.0}))
+    return 0
+
 
 def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progress=None,
               device: str = "cpu") -> List[dict]:
@@ -79,11 +180,11 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
-              e2e_batch: int = 128, e2e_reference: bool = True, vqgan: bool = False, vqgan_repeats: int = 5,
+              e2e_batch: int = 128, vqgan: bool = False, vqgan_repeats: int = 5,
               vqgan_warmup: int = 2, vqgan_batch: int = 16, progress: bool = False,
               calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu") -> List[dict]:
-    """Measure ``impls`` at ``shapes`` (and optionally the VQ-VAE step, ``e2e``, and the VQGAN-recipe
-    step, ``vqgan``) on ``device`` ("cpu" or "cuda"); returns rows with ratios. On CUDA memory is the allocator's peak (method "cuda")."""
+    """Measure ``impls`` at ``shapes`` (and the VQ-VAE step with ``e2e``, the VQGAN-recipe step with ``vqgan``)
+    on ``device``; returns rows with ratios."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():
@@ -101,10 +202,9 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     bar.close()
     add_ratios(rows)
     if e2e:
-        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, with_reference=e2e_reference,
-                         device=device)
+        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, device=device)
     if vqgan:
-        from ddcl_vq.studies.bench.vqgan import vqgan_rows
+        from ddcl_vq.studies.bench.steps import vqgan_rows
         rows += vqgan_rows(repeats=vqgan_repeats, warmup=vqgan_warmup, batch=vqgan_batch, device=device)
     for r in rows:
         r["memory_method"] = memory

@@ -1,5 +1,8 @@
-"""What the bench measures: one training step of each quantizer implementation on shared
-inputs, the six-matmul floor, and one end-to-end VQ-VAE training step (the VQGAN-recipe step: ``vqgan``)."""
+"""What the bench measures and what each measurement costs (estimated from a calibration matmul: what does not fit
+is skipped, repeats are cut to the time budget): one training step of each quantizer implementation on shared inputs,
+the six-matmul floor, and one VQ-VAE and one VQGAN-recipe training step (the loop's own
+:func:`ddcl_vq.tokenizer.train.training_step`) with DDCL vs HardVQ.
+"""
 from __future__ import annotations
 
 import statistics
@@ -7,12 +10,115 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ddcl_vq.studies.bench.cost import IMPLS, time_once
 
+# ----------------------------------------------------------------------------- what each costs, the plan
+# name -> (label, cost model, matmuls of the floor); the cost model: (matmuls of N×D·D×K, other N×K work in
+# D=64-matmul equivalents, N×K float tensors alive at the peak)
+IMPLEMENTATIONS = {
+    "matmul6": ("six bare matmuls (floor of the full DDCL gradient)", (6.0, 0.0, 0.0), 6),
+    "ddcl-mstep": ("DDCL default: straight_through, M-step codebook", (3.0, 4.0, 1.0), 3),
+    "ddcl-first": ("DDCL default on its first training batch: a fresh quantizer, k-means start included",
+                   (4.0, 5.0, 1.0), 3),
+    "ddcl-soft-reference": ("DDCL soft, plain autograd", (6.0, 24.0, 9.0), 6),
+    "ddcl-soft-fused": ("DDCL soft, fused", (6.0, 3.5, 1.0), 6),
+    "ddcl-soft-chunked": ("DDCL soft, chunked", (7.0, 3.5, 0.0), 6),
+    "hardvq": ("HardVQ (argmin + straight-through)", (1.0, 7.5, 3.0), None),
+    "emavq": ("EMAVQ (EMA codebook)", (1.0, 8.0, 3.0), None),
+    "vqp": ("vector-quantize-pytorch VectorQuantize (defaults)", (2.0, 15.0, 6.0), None),
+    "ibq": ("IBQ (index backpropagation: hard forward, softmax gradient into every code; published settings)",
+            (5.0, 40.0, 0.2), None),
+    # evaluation (no gradient): what ``ddcl-vq evaluate`` asks of each batch
+    "ddcl-eval": ("DDCL evaluation: hard indices and soft codes in one pass (no gradient)", (2.0, 6.0, 1.0), None),
+    "simvq-eval": ("SimVQ (fair settings) evaluation: hard indices (no gradient)", (1.0, 6.0, 2.0), None),
+}
+IMPLS = {name: label for name, (label, _, _) in IMPLEMENTATIONS.items()}
+FLOOR_MATMULS = {name: floor for name, (_, _, floor) in IMPLEMENTATIONS.items() if floor}
+
+
+def calibrate(device: str = "cpu") -> float:
+    """Seconds per flop of a D=64 matmul on ``device`` (median of 5 runs of 4096×64 · 64×4096)."""
+    a, b = torch.randn(4096, 64, device=device), torch.randn(64, 4096, device=device)
+    out = torch.empty(4096, 4096, device=device)
+
+    def run():
+        torch.mm(a, b, out=out)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+    run()
+    return statistics.median(time_once(run) for _ in range(5)) / (2 * 4096 * 64 * 4096)
+
+
+def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float, float]:
+    """(seconds for one run, extra bytes at peak) — rough, for skipping and repeat counts."""
+    units, other, tensors = IMPLEMENTATIONS[name][1]
+    unit64 = 2 * n * 64 * k * per_flop            # one N×64·64×K matmul
+    wide = (d / 64) * (0.8 if d > 64 else 1.0)     # wider matmuls run nearer peak
+    seconds = (units * wide + other) * unit64
+    extra = tensors * n * k * 4 + 8 * n * d * 4
+    if name == "ddcl-first":               # the k-means fit: its Lloyd iterations over the sampled points
+        import inspect
+        from ddcl_vq.kmeans import kmeans_budget, kmeans_init_
+        defaults = {p.name: p.default for p in inspect.signature(kmeans_init_).parameters.values()}
+        points, iters = kmeans_budget(min(n, defaults["max_points"]), k, defaults["iters"])
+        seconds += 2.0 * iters * points * k / (n * k) * unit64
+    if name in ("ddcl-soft-fused", "ddcl-soft-chunked"):
+        from ddcl_vq.blocks import chunk_rows
+        extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers
+    if name == "matmul6":
+        extra += 2 * n * k * 4                # its N×K operands live outside the probe, but must fit
+    return seconds, extra
+
+
+@dataclass
+class Plan:
+    name: str
+    shape: Tuple[int, int, int]
+    est_s: float
+    est_bytes: float
+    warmup: int
+    repeats: int
+    skip: Optional[str] = None
+    probe: str = "separate"      # "separate" run after warm-up, "warmup" (the probed warm-up run), "timed"
+
+
+def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int,
+                      repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
+                      cal: float, probe_warmup: bool = False) -> List[Plan]:
+    plans = []
+    for shape in shapes:
+        for name in impls:
+            est_s, est_b = estimate(name, *shape, cal)
+            p = Plan(name, shape, est_s, est_b, warmup, repeats)
+            if est_b > mem_budget:
+                p.skip = f"memory: needs ~{est_b / 2**30:.1f} GiB, budget {mem_budget / 2**30:.1f} GiB"
+            elif est_s > max_seconds:
+                p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
+            else:
+                runs = max(1, int(budget_seconds // max(est_s, 1e-6)))
+                if probe_warmup and warmup > 0 and runs >= warmup + repeats:
+                    p.probe = "warmup"                     # quick: the last warm-up run is probed
+                elif runs >= warmup + repeats + 1:
+                    pass                                   # warm-up, a probed run, timed repeats
+                elif runs >= 2:                            # probe the warm-up run, time the rest
+                    p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
+                else:                                      # one cold run, timed and probed
+                    p.warmup, p.repeats, p.probe = 0, 1, "timed"
+            plans.append(p)
+    return plans
+
+
+def time_once(fn: Callable[[], None]) -> float:
+    """Wall-clock seconds of one call of ``fn``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- the steps
 @dataclass
 class Inputs:
     z: torch.Tensor
@@ -39,8 +145,7 @@ def synchronized(step: Callable[[], None], device: torch.device) -> Callable[[],
 
 
 def make_step(name: str, inp: Inputs) -> Callable[[], None]:
-    """A closure that runs one forward + backward of ``name`` on the shared inputs (on their
-    device; on CUDA the closure ends with a synchronisation)."""
+    """A closure that runs one forward + backward of ``name`` on the shared inputs (synchronised on CUDA)."""
     (n, d), k, device = inp.z.shape, inp.codebook.shape[0], inp.z.device
     if name == "matmul6":
         z, w, gr = inp.z.detach(), inp.codebook, inp.grad
@@ -57,27 +162,25 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
             torch.mm(q.t(), gr, out=out_kd)    # backward: Qᵀ·G
         return step
 
-    from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, IBQQuantizer, VQPQuantizer
+    from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, IBQQuantizer, SimVQQuantizer, VQPQuantizer
     one = torch.ones((), device=device)
+    if name.endswith("-eval"):
+        return synchronized(eval_step(name, inp, DDCLQuantizer, SimVQQuantizer), device)
     z, gr = inp.z, inp.grad
     if name == "ddcl-first":
-        # the library default on its first training batch: every call builds a fresh quantizer, so
-        # each run includes the k-means start and the first-batch set-up
+        # every call builds a fresh quantizer: each run includes the k-means start and the first-batch set-up
         def first():
             quant = DDCLQuantizer(k, d, channel_dim=-1).to(device).train()
             out = quant(z)
             torch.autograd.backward([out.quantized, out.loss], [gr, one])
             z.grad = None
         return synchronized(first, device)
-    if name in ("ddcl-mstep", "ddcl-twins"):
-        # the library default in its steady state (past the warm-up's first 100 training batches)
-        quant = DDCLQuantizer(k, d, codebook_init="normal", channel_dim=-1, warmup_steps=0,
-                              revive_twins=name == "ddcl-twins")
-    elif name.startswith("ddcl"):
-        parts = name.split("-")
-        mode = "soft" if parts[1] == "soft" else "straight_through"
-        quant = DDCLQuantizer(k, d, mode=mode, implementation=parts[-1], codebook_init="normal", channel_dim=-1,
-                              codebook_update="gradient", temperature_reference="dim", temperature=0.01)
+    if name.startswith("ddcl"):
+        # past its warm-up; the shared codebook stands for the k-means start
+        soft = name.startswith("ddcl-soft")
+        quant = DDCLQuantizer(k, d, channel_dim=-1, warmup_steps=0, **(dict(
+            mode="soft", implementation=name.split("-")[-1], temperature=0.01) if soft else {}))
+        quant.initialized.fill_(True)
     elif name in ("hardvq", "emavq", "vqp", "ibq"):
         quant = {"hardvq": HardVQ, "emavq": EMAVQ, "vqp": VQPQuantizer, "ibq": IBQQuantizer}[name](k, d, channel_dim=-1)
     else:
@@ -95,18 +198,37 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
     return synchronized(step, device)
 
 
-#: the configs the VQ-VAE step compares, in the repository's configs/ folder, and the same as overrides of
-#: the training config's defaults (an installed copy without the repository's configs)
+def eval_step(name: str, inp: Inputs, ddcl_class, simvq_class) -> Callable[[], None]:
+    """One evaluation batch of ``ddcl-eval`` (indices and the soft codes the evaluation decodes) or
+    ``simvq-eval`` (indices), on the shared codebook, under no_grad."""
+    d, k = inp.z.shape[1], inp.codebook.shape[0]
+    if name == "ddcl-eval":
+        quant = ddcl_class(k, d, channel_dim=-1, warmup_steps=0)
+        quant.initialized.fill_(True)
+        quant.distance_scale.fill_(1.0)
+        quant.weight.data.copy_(inp.codebook.cpu())
+    else:
+        quant = simvq_class(k, d, channel_dim=-1, codebook_bias=True, data_init=True, rotation_trick=False)
+    quant.to(inp.z.device).eval()
+    z = inp.z.detach()
+
+    def step():
+        with torch.no_grad():
+            out = quant(z)
+            if name == "ddcl-eval":
+                assert out.soft_codes is not None
+    return step
+
+
+#: the configs the VQ-VAE step compares, and the same as overrides of the defaults (for an installed copy)
 E2E_CONFIGS = (("ddcl", "fashion_ddcl.yaml"), ("hardvq", "fashion_hard.yaml"))
 E2E_OVERRIDES = {"ddcl": [], "hardvq": ["quantizer.type=hard", "quantizer.beta=0.25", "train.codebook_lr_ratio=1.0"]}
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"  # the repository: ddcl_vq/studies/bench/steps.py
 
 
 def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
-    """label -> (train config, model, optimizer, lr schedule), where they came from, and why the configs'
-    stand-ins were used (None when the configs were used): the configs through the training package's
-    builders; without the repository's configs beside this file (an installed copy), the training
-    config's defaults with the same overrides, the reason in each row."""
+    """-> (label -> (train config, model, optimizer, lr schedule), where they came from, why the configs' stand-ins
+    (the defaults with E2E_OVERRIDES) were used, or None)."""
     from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
     from ddcl_vq.tokenizer.config import load_config
     missing = [name for _, name in E2E_CONFIGS if not (configs / name).is_file()]
@@ -126,28 +248,12 @@ def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
     return models, "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.tokenizer.builders", None
 
 
-def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference: bool = True,
-             device: str = "cpu") -> List[dict]:
-    """One VQ-VAE training step with DDCL vs HardVQ: the training loop's own step
-    (:func:`ddcl_vq.tokenizer.train.training_step`: forward, loss, backward, gradient clipping, AdamW, the learning-rate
-    schedule and the quantizer's per-step state), on the models of configs/fashion_ddcl.yaml and
-    configs/fashion_hard.yaml. ``with_reference`` adds the DDCL model on the reference path when its quantizer has one
-    to choose (not the M-step default in straight_through mode, which takes no assignment path). Each row has the
-    wall-clock median and ratios, and the same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``): on a
-    core shared with other jobs the CPU time leaves out the time the step waited for the core.
-    """
+def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, device: str = "cpu") -> List[dict]:
+    """One VQ-VAE training step (the loop's own) with DDCL vs HardVQ: the wall-clock median, its ratios, and the
+    same from process CPU time (``cpu_ms``, ``cpu_paired_ratio_vs_hardvq``)."""
     from ddcl_vq.tokenizer.train import training_step
     models, source, fallback = e2e_models()
-    q_default = models["ddcl"][1].quantizer
-    skip_warmup(q_default)                     # time the steady state, past the warm-up
-    takes_path = assignment_path(q_default, batch * 8 * 8) != "mstep"
-    if with_reference and takes_path:  # the same DDCL model on the reference path: what the fused path buys
-        import copy
-        t, model = models["ddcl"][:2]
-        ref_model = copy.deepcopy(model)
-        ref_model.quantizer.implementation = "reference"
-        ref_opt = type(models["ddcl"][2])(ref_model.parameters(), lr=2e-3)
-        models["ddcl-reference"] = (t, ref_model, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0))
+    skip_warmup(models["ddcl"][1].quantizer)   # time the steady state, past the warm-up
     x = torch.rand(batch, 1, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
 
     def make(t, model, opt, scheduler):
@@ -161,13 +267,9 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, with_reference
 
     times, cpu, faults = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
     n = batch * 8 * 8
-    out = []
-    for label in [m for m in ("ddcl", "ddcl-reference", "hardvq") if m in models]:
-        impl = assignment_path(models[label][1].quantizer, n)
-        out.append(dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None,
-                        batch=batch, runs=repeats, path=impl, source=source, fallback=fallback,
-                        **ratios_vs_hardvq(label, times, cpu, faults)))
-    return out
+    return [dict(impl=f"vqvae-step-{label}", N=n, D=64, K=512, peak_mb=None, batch=batch, runs=repeats,
+                 path=assignment_path(models[label][1].quantizer, n), source=source, fallback=fallback,
+                 **ratios_vs_hardvq(label, times, cpu, faults)) for label in ("ddcl", "hardvq")]
 
 
 def minor_faults() -> int:
@@ -181,10 +283,8 @@ def minor_faults() -> int:
 
 def paired_times(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int
                  ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]], Dict[str, List[int]]]:
-    """``warmup`` calls of each step, then ``repeats`` rounds of one call each, the order alternating between rounds
-    (who goes first); -> per label, the wall-clock seconds, the process CPU seconds and the minor page faults of
-    every timed call. The faults show where time goes to the allocator: large temporaries that the C library hands
-    back to the system after each step come back as fresh pages, each zeroed by the kernel on first touch."""
+    """``warmup`` calls of each step, then ``repeats`` rounds of one call each, alternating who goes first;
+    -> per label, the wall-clock seconds, the process CPU seconds and the minor page faults of every timed call."""
     for s in steps.values():
         for _ in range(warmup):
             s()
@@ -203,10 +303,8 @@ def paired_times(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int
 
 def ratios_vs_hardvq(label: str, times: Dict[str, List[float]], cpu: Dict[str, List[float]],
                      faults: Optional[Dict[str, List[int]]] = None) -> dict:
-    """``label``'s median ms and its ratios to the ``hardvq`` step of the same rounds (wall clock and CPU
-    time): the ratio of the medians, and the median of the per-round ratios (robust to a neighbour's
-    load changing between rounds: both steps of a round share it); with ``faults``, the median minor page
-    faults of one step."""
+    """``label``'s median ms, its ratios to ``hardvq`` (of the medians, and the median of the per-round ratios; wall
+    clock and CPU time) and, with ``faults``, the median minor page faults of one step."""
     med, ref = statistics.median(times[label]) * 1e3, statistics.median(times["hardvq"]) * 1e3
     paired = statistics.median(a / b for a, b in zip(times[label], times["hardvq"]))
     cpu_paired = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[label], cpu["hardvq"]))
@@ -224,10 +322,88 @@ def skip_warmup(quantizer) -> None:
 
 
 def assignment_path(quantizer, n: int) -> Optional[str]:
-    """The path a training step of ``quantizer`` takes on ``n`` vectors: ``"mstep"`` for the DDCL default
-    (straight_through with the M-step codebook: soft statistics without autograd, no assignment path),
-    else its ``resolve_implementation(n)`` (None for quantizers without one)."""
-    mstep = getattr(quantizer, "codebook_update", None) == "mstep"
-    if mstep and getattr(quantizer, "mode", None) == "straight_through":
+    """``"mstep"`` for straight_through DDCL, else ``quantizer.resolve_implementation(n)`` (None without one)."""
+    if getattr(quantizer, "mode", None) == "straight_through":
         return "mstep"
     return quantizer.resolve_implementation(n) if hasattr(quantizer, "resolve_implementation") else None
+
+
+VQGAN_CONFIG = "vqgan_photos64.yaml"
+#: label -> overrides of configs/vqgan_photos64.yaml; "hardvq" is configs/study_vqgan.yaml's "hard" arm
+VQGAN_ARMS = (("ddcl", ("quantizer.type=ddcl",)),
+              ("hardvq", ("quantizer.type=hard", "quantizer.beta=0.25", "train.codebook_lr_ratio=1.0")))
+
+
+def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
+    """-> ((label -> (cfg, model, optimizer, scheduler, gan, autocast, scaler), the training set), None) as the
+    training loop builds them, or (None, the reason) when the recipe cannot be built here."""
+    from ddcl_vq.common.config import ConfigError
+    from ddcl_vq.common.data import build_dataset, image_channels
+    from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
+    from ddcl_vq.tokenizer.config import load_config
+    from ddcl_vq.tokenizer.losses import GANStep
+    from ddcl_vq.tokenizer.train import mixed_precision
+    path = configs / VQGAN_CONFIG
+    if not path.is_file():
+        return None, f"{VQGAN_CONFIG} not found in {configs}"
+    dev = torch.device(device)
+    setups = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, overrides in VQGAN_ARMS:
+            cfg = load_config(path, overrides)
+            channels = image_channels(cfg.data)
+            torch.manual_seed(cfg.run.seed)                     # as the loop: seed, then build
+            model = build_model(cfg, channels).to(dev)
+            optimizer = build_optimizer(model, cfg.train, cfg.quantizer.type)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+            try:
+                gan = GANStep.from_config(cfg, model, channels, dev, 1)
+            except ConfigError as err:                          # e.g. no LPIPS weights here
+                return None, str(err)
+            autocast, scaler = mixed_precision(cfg.train.amp, dev)
+            if gan is not None:
+                gan.autocast = autocast
+            setups[label] = (cfg, model, optimizer, scheduler, gan, autocast, scaler)
+    cfg = setups["ddcl"][0]
+    return (setups, build_dataset(cfg.data, "train", cfg.run.seed)), None
+
+
+def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str = "cpu",
+               configs: Path = CONFIGS_DIR) -> List[dict]:
+    """Rows ``vqgan-step-ddcl`` and ``vqgan-step-hardvq``: one generator + discriminator step on ``batch`` training
+    crops, as :func:`e2e_rows`; skipped, with the reason, when the recipe cannot be built here."""
+    built, reason = vqgan_setups(configs, device)
+    if built is None:
+        return [dict(impl=f"vqgan-step-{label}", N=None, D=None, K=None, ms=None, peak_mb=None,
+                     skipped=f"VQGAN-recipe step: {reason}") for label, _ in VQGAN_ARMS]
+    setups, train_set = built
+    from ddcl_vq.tokenizer.train import training_step
+    perm = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))[:batch]
+    x = torch.stack([train_set[int(i)][0] for i in perm]).to(device)
+    skip_warmup(setups["ddcl"][1].quantizer)   # time the steady state, past the quantization warm-up
+    n_vectors = {}
+
+    def make(label: str, cfg, model, optimizer, scheduler, gan, autocast, scaler):
+        model.train()
+        state = {"step": cfg.loss.disc_start}       # the discriminator is on from here
+
+        def step():
+            _, _, out = training_step(model, x, state["step"], optimizer, scheduler, cfg.train, autocast=autocast,
+                                      scaler=scaler, gan=gan)
+            n_vectors[label] = out.quantizer.indices.numel()
+            state["step"] += 1
+        return synchronized(step, torch.device(device))
+
+    times, cpu, faults = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)
+    rows = []
+    for label, overrides in VQGAN_ARMS:
+        cfg, model, _, _, gan = setups[label][:5]
+        rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model.latent_dim,
+                         K=cfg.quantizer.num_codes, peak_mb=None, batch=batch, input_shape=list(x.shape),
+                         runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]),
+                         source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
+                         disc_on=bool(gan is not None and gan.disc_active(cfg.loss.disc_start)),
+                         perceptual_net=cfg.loss.perceptual_net if cfg.loss.perceptual_weight > 0 else None,
+                         **ratios_vs_hardvq(label, times, cpu, faults)))
+    return rows

@@ -1,4 +1,4 @@
-"""``ddcl-vq readout-study`` / ``python -m ddcl_vq readout-study``: the command and its options."""
+"""``ddcl-vq readout-study`` / ``python -m ddcl_vq readout-study``: the command, its options, report.md and plots."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -19,39 +19,22 @@ from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
 from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
-from ddcl_vq.studies.readout.train import ARMS, load_patches, train_arm
-
-from ddcl_vq.studies.readout.compressor import run_compressor
-from ddcl_vq.studies.readout.report import plots, report
+from ddcl_vq import USAGE_DEFINITIONS
+from ddcl_vq.studies.readout.train import ARMS, load_patches, run_compressor, train_arm
 
 HELP = """\
-Train a small transformer encoder over 4x4 image patches of real Fashion-MNIST (49 tokens,
-dim 64, 2 layers, 4 heads) once per readout arm, at the same budget (steps, batch, lr, seed,
-data order, encoder initialisation):
+Train a small transformer encoder over 4x4 image patches of real Fashion-MNIST (49 tokens, dim 64,
+2 layers, 4 heads) once per readout arm, at the same budget (steps, batch, lr, seed, data order,
+encoder initialisation): mean (mean pooling of the final tokens), cls (a class token), ddcl (the
+DDCL readout, ddcl_vq.DDCLReadout with the library defaults: pooled = mean of the tokens' soft summaries,
+loss = cross-entropy + readout.loss on stop-gradient tokens, prototypes at --prototype-lr-ratio x lr).
+Ablation arms: ddcl_soft, ddcl_joint, ddcl_rho1, ddcl_ponly, ddcl_joint_rho1, ddcl_tau0.03, ddcl_tau0.3
+(docs/guide/readout.md). Reports test accuracy, wall time, and for DDCL the prototype usage and the identity
+max |distortion - ols - variance| / distortion. Then ddcl_vq.HierarchicalCompressor on the DDCL arm's
+frozen tokens (--windows): reconstruction error vs compression ratio, beside window-mean pooling.
 
-  mean  - mean pooling of the final tokens
-  cls   - a class token
-  ddcl  - the DDCL readout (ddcl_vq.DDCLReadout, library defaults): pooled = mean of the
-          tokens' soft summaries (straight-through token gradient), loss = cross-entropy +
-          readout.loss, the distortion computed on stop-gradient tokens (it trains the
-          prototypes only); prototypes at --prototype-lr-ratio x lr
-
-and reports test accuracy, wall time, and for DDCL the prototype utilization and perplexity
-(dataset-level over the test tokens, ddcl_vq.CodebookUsage) and the decomposition identity
-max |distortion - ols - variance| / distortion along training. Ablation arms (not default):
-ddcl_soft (task gradient to the tokens only through q, the paper's readout), ddcl_joint
-(ddcl_soft + the distortion also trains the encoder: the paper's joint form), ddcl_rho1 (prototype lr ratio 1), ddcl_ponly (the task
-loss does not move the prototypes), ddcl_joint_rho1, ddcl_tau0.03, ddcl_tau0.3.
-
-Then trains ddcl_vq.HierarchicalCompressor on the DDCL arm's frozen tokens (windows
---windows) and reports reconstruction error vs compression ratio, next to plain
-window-mean pooling over the same windows.
-
-Writes OUT/results.json, OUT/report.md, OUT/accuracy.png, OUT/ddcl_terms.png, OUT/compressor.png;
-each arm trains in OUT/runs/<arm> (checkpoints, metrics.jsonl): the same command resumes a killed
-study, and reuses the arms that finished.
-The default budget (3 arms x 1,000 steps, 1 thread) takes about 6-7 minutes on a 2-core CPU;
---quick takes seconds (for tests).
+Writes OUT/results.json, OUT/report.md and PNG plots; each arm trains in OUT/runs/<arm>: the same
+command resumes a killed study and reuses the arms that finished.
 """
 
 
@@ -77,7 +60,7 @@ class ReadoutOptions:
     temperature: float = option(DEFAULT_TEMPERATURE, "τ relative to D")
     prototype_init: str = option("kmeans", "DDCL prototypes: k-means on the first batch's tokens, or N(0, 1)")
     loss_weight: float = option(1.0, "λ in CE + λ·distortion/D")
-    prototype_lr_ratio: float = option(DEFAULT_PROTOTYPE_LR_RATIO, "prototype lr / encoder lr (timescale condition: > 1)")
+    prototype_lr_ratio: float = option(DEFAULT_PROTOTYPE_LR_RATIO, "prototype lr / encoder lr (timescale: > 1)")
     windows: List[int] = option(default_factory=lambda: [2, 2, 2, 2, 2, 2], sep=",",
                                 metavar="W,...", help="compressor window per stage")
     compressor_prototypes: int = option(64, "K per compressor stage")
@@ -86,8 +69,7 @@ class ReadoutOptions:
     compressor_train: int = option(8192, "training images whose tokens train the compressor")
     compressor_test: int = option(2000, "test images whose tokens measure it")
     no_compressor: bool = option(False, "skip the compressor part")
-    threads: int = option(1, "torch CPU threads (on cores shared with other jobs, 2 threads ran a step 15x slower "
-                             "than 1; on an idle machine 2 are about 1.7x faster)")
+    threads: int = option(1, "torch CPU threads")
     no_progress: bool = option(False, "no tqdm progress bars")
 
 
@@ -108,6 +90,105 @@ def parse_args(argv: Optional[List[str]]) -> ReadoutOptions:
         if not getattr(opts, name):
             raise ConfigError(f"option --{name}: expected a non-empty comma list, got none")
     return opts
+
+
+ARM_TEXT = {"mean": "masked mean of the final tokens", "cls": "a learned class token prepended, its final state"}
+
+
+def plots(results: Dict, out: Path) -> List[str]:
+    from ddcl_vq.studies.plots import label, pyplot, save
+    plt = pyplot()
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in results["arms"].values():
+        steps = [c["step"] for c in arm["curve"]]
+        ax.plot(steps, [100 * c["test_accuracy"] for c in arm["curve"]], marker="o", label=arm["arm"])
+    label(ax, "training step", f"test accuracy (%), {results['config']['test_size']} images",
+          "Fashion-MNIST, patch transformer: readout arms", {})
+    save(fig, out / "accuracy.png", dpi=120)
+    files.append("accuracy.png")
+
+    ddcl = [a for a in results["arms"].values() if a["readout"] == "ddcl"]
+    if ddcl:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for arm in ddcl:
+            steps = [r["step"] for r in arm["train_log"]]
+            for key, style in (("distortion", "-"), ("ols", "--"), ("variance", ":")):
+                ax.plot(steps, [r[key] for r in arm["train_log"]], style,
+                        label=f"{arm['arm']} {key}" if len(ddcl) > 1 else key)
+        ax.set_yscale("log")
+        label(ax, "training step", "sum over D, mean over tokens",
+              "DDCL readout: distortion = OLS + variance (train batches)", {"fontsize": 7})
+        save(fig, out / "ddcl_terms.png", dpi=120)
+        files.append("ddcl_terms.png")
+
+    comp = results.get("compressor")
+    if comp:
+        st = comp["stages"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ratios = [s["cumulative_ratio"] for s in st]
+        ax.plot(ratios, [s["cumulative_error"] for s in st], "o-", label="HierarchicalCompressor (DDCL)")
+        ax.plot(ratios, [s["window_mean_cumulative_error"] for s in st], "s--", label="window mean pooling")
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(ratios)
+        ax.set_xticklabels([f"{r:.3g}" for r in ratios])
+        label(ax, "compression ratio (tokens in / summaries out)", "relative reconstruction error",
+              "compressor: error vs ratio (test tokens)", {}, which="both")
+        save(fig, out / "compressor.png", dpi=120)
+        files.append("compressor.png")
+    return files
+
+
+def _readout(a: Dict) -> str:
+    if a["readout"] != "ddcl":
+        return ARM_TEXT.get(a["arm"], "")
+    return (f"DDCL pooled; τ={a['temperature']:g}, ρ={a['prototype_lr_ratio']:g}, "
+            f"distortion→tokens {'yes' if a['distortion_to_tokens'] else 'no (sg)'}, "
+            f"task loss→prototypes {'yes' if a['task_grad_to_prototypes'] else 'no'}, "
+            f"{a.get('mode', 'straight_through').replace('_', '-')} token gradient")
+
+
+#: markdown_table columns of the arms (a row: an arm's result with its usage figures) and the compressor's stages
+ARM_COLUMNS = [("arm", "arm", "s"), ("readout", "readout", _readout), ("test_accuracy", "test acc", ".2%"),
+               ("utilization", "utilization", ".0%"), ("perplexity", "perplexity", ".1f"),
+               ("soft_perplexity", "soft perplexity", ".1f"), ("identity_max", "max \\|L−OLS−V\\|/L", ".1e"),
+               ("train_wall_s", "train wall s", ".0f"), ("params", "params", ",")]
+STAGE_COLUMNS = [("stage", "stage", "d"), ("window", "window", "d"), ("num_prototypes", "K", "d"),
+                 ("ratio", "ratio", ".2f"), ("cumulative_ratio", "cumulative ratio", ".2f"),
+                 ("stage_error", "stage error", ".3f"), ("cumulative_error", "cumulative error", ".3f"),
+                 ("window_mean_cumulative_error", "window-mean cumulative error", ".3f"),
+                 ("utilization", "utilization", ".0%"), ("perplexity", "perplexity", ".1f")]
+
+
+def report(results: Dict) -> str:
+    from ddcl_vq.studies.tables import markdown_table
+    cfg, meta = results["config"], results["meta"]
+    arms = [{**(a.get("usage") or {}), **a} for a in results["arms"].values()]
+    lines = ["# Readout study: DDCL readout vs mean pooling vs class token", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ", f"Machine: {meta['machine']}", "",
+             f"Fashion-MNIST, {cfg['patch']}x{cfg['patch']} patches ({results['num_tokens']} tokens), transformer "
+             f"dim {cfg['dim']}, {cfg['layers']} layers, {cfg['heads']} heads; every arm: {cfg['steps']} steps, "
+             f"batch {cfg['batch_size']}, Adam lr {cfg['lr']:g} (warmup + cosine), seed {cfg['seed']}, "
+             f"{cfg['train_size']} training images, test accuracy on {cfg['test_size']} test images "
+             f"({'the full test set' if cfg['test_size'] >= 10000 else 'a fixed random subset'}). "
+             f"DDCL: K = {cfg['num_prototypes']} prototypes, τ relative to D, loss = CE + "
+             f"{cfg['loss_weight']:g}·distortion/D, prototype lr = ratio × lr.", "", markdown_table(arms, ARM_COLUMNS),
+             "", "Utilization and perplexity: dataset-level over every test token's hard argmin prototype "
+             "(ddcl_vq.CodebookUsage); the identity column is the maximum over every training step.", ""]
+    comp = results.get("compressor")
+    if comp:
+        lines += ["## Hierarchical compressor", "",
+                  f"On the `{comp['source_arm']}` arm's frozen final tokens ({comp['tokens_per_sequence']} per image, "
+                  f"raster order), windows {comp['windows']}, trained {comp['steps']} steps on "
+                  f"{comp['train_sequences']} training images with the stages' DDCL distortions "
+                  f"(k-means init, distortion on stop-gradient inputs), measured on {comp['test_sequences']} test "
+                  f"images. Error = Σ‖x − x̂‖² / Σ‖x − mean‖², x̂ = the ancestor summary (cumulative) or the "
+                  f"window's summary (stage); window mean pooling is the L2-best summary for the same windows.", "",
+                  markdown_table(comp["stages"], STAGE_COLUMNS), ""]
+    lines += ["Codebook usage definitions:", "", "```", USAGE_DEFINITIONS, "```", ""]
+    lines += [f"Plots: {', '.join(results['plots'])}", f"Total wall time: {meta['total_wall_s']:.0f} s", ""]
+    return "\n".join(lines)
 
 
 @entry_point("ddcl-vq readout-study")
@@ -147,7 +228,8 @@ def _run(args, argv: List[str], out: Path, show: bool) -> int:
             print(f"compressor stage {s['stage']}: ratio x{s['cumulative_ratio']:.2f}, error "
                   f"{s['cumulative_error']:.3f} (window mean {s['window_mean_cumulative_error']:.3f})", flush=True)
     command = "ddcl-vq readout-study " + " ".join(shlex.quote(a) for a in argv)
-    results["meta"] = {"command": command.strip(), "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    results["meta"] = {"command": command.strip(), "date": date,
                        "machine": describe_machine(), "python": platform.python_version(),
                        "total_wall_s": time.perf_counter() - t_start}
     results["plots"] = plots(results, out)

@@ -1,10 +1,6 @@
-"""The readout study's training: each readout arm over a small patch transformer, at the same budget (steps, batch, lr,
-seed, data order, encoder initialisation), and the hierarchical compressor on a trained arm's frozen tokens.
-
-Each arm trains inside :class:`~ddcl_vq.common.skeleton.TrainingRun` in OUT/runs/<arm> (config.yaml, checkpoints,
-metrics.jsonl, tb/, summary.json): a killed study resumes each arm from its checkpoint when the same command runs again,
-and a finished arm is reused (loaded, not trained again). An arm folder trained with other settings is refused, never
-mixed in.
+"""The readout study's training: each readout arm over a small patch transformer at the same budget, resumable in
+OUT/runs/<arm> (:class:`~ddcl_vq.common.skeleton.TrainingRun`), and the hierarchical compressor on a trained arm's
+frozen tokens, measured next to window-mean pooling.
 """
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ ARM_SETTINGS = ("steps", "batch_size", "lr", "seed", "train_size", "test_size", 
 
 
 def load_patches(split: str, size: int, patch: int, seed: int) -> Tuple[Tensor, Tensor]:
-    """Real Fashion-MNIST as uint8 patch tokens (N, T, patch*patch) and int64 labels (N,); a fixed random
-    subset if size < N."""
+    """Fashion-MNIST as uint8 patch tokens (N, T, patch*patch) and labels (N,); a fixed subset if size < N."""
     from ddcl_vq.common.data import fashion_mnist_arrays
     images, labels = fashion_mnist_arrays(split)
     if size < len(images):
@@ -75,8 +70,7 @@ def accuracy(model: PatchTransformer, tokens_u8: Tensor, labels: Tensor, batch: 
 
 
 class _Order:
-    """The arm's data order: a permutation of the training images from its own generator, a new one when
-    the next batch would run past it (the same order for every arm); resumable."""
+    """The arm's data order: permutations from its own generator (the same for every arm); resumable."""
 
     def __init__(self, n: int, batch_size: int, seed: int):
         self.n, self.batch_size = n, batch_size
@@ -102,8 +96,7 @@ class _Order:
 
 
 class _Window:
-    """The training log's running means since the last logged line, the identity's worst case so far and
-    the training seconds (evaluation left out) of every session; resumable."""
+    """Running means since the last log line, the identity's worst case and the training seconds; resumable."""
 
     KEYS = ("ce", "acc", "distortion", "ols", "variance", "perplexity")
 
@@ -125,13 +118,32 @@ class _Window:
         return record
 
 
+def _arm_setup(name: str, args, n_tokens: int, token_dim: int):
+    """-> (readout kind, the arm's DDCL settings, model, optimizer, schedule), the model built right after seeding."""
+    kind, over = ARMS[name]
+    ddcl = {"temperature": over.get("temperature", args.temperature),
+            "prototype_lr_ratio": over.get("prototype_lr_ratio", args.prototype_lr_ratio),
+            "distortion_to_tokens": over.get("distortion_to_tokens", False),
+            "task_grad_to_prototypes": over.get("task_grad_to_prototypes", True),
+            "mode": over.get("mode", "straight_through"), "loss_weight": args.loss_weight}
+    torch.manual_seed(args.seed)
+    model = PatchTransformer(kind, n_tokens, token_dim, args.dim, args.layers, args.heads, 10, args.num_prototypes,
+                             ddcl["temperature"], args.loss_weight, ddcl["distortion_to_tokens"],
+                             over.get("prototype_init", args.prototype_init), ddcl["task_grad_to_prototypes"],
+                             ddcl["mode"])
+    groups = [{"params": list(model.parameters()), "lr": args.lr}]
+    if kind == "ddcl":
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the rho = 1 ablation is deliberate
+            groups = prototype_param_groups(model, args.lr, ddcl["prototype_lr_ratio"])
+    opt = torch.optim.Adam(groups)
+    schedule = lr_schedule(args.steps, "cosine", warmup=max(1, args.steps // 20), floor=0.0)
+    return kind, ddcl, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
 def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: bool):
     """Train (or resume, or reuse) the readout arm ``name`` in OUT/runs/<name>; -> (result dict, model)."""
-    kind, over = ARMS[name]
-    temperature = over.get("temperature", args.temperature)
-    ratio = over.get("prototype_lr_ratio", args.prototype_lr_ratio)
-    to_tokens = over.get("distortion_to_tokens", False)
-    task_to_protos = over.get("task_grad_to_prototypes", True)
     (xtr, ytr), (xte, yte) = train_data, test_data
     settings = {"arm": name, **{key: getattr(args, key) for key in ARM_SETTINGS}}
     run = TrainingRun(Path(out) / "runs" / name, args.steps, checkpoint_every=args.eval_every,
@@ -144,21 +156,7 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
             changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in settings.items() if saved.get(k) != v)
             raise RunDirError(f"{str(run.dir)!r} holds the arm {name!r} trained with other settings ({changed}); "
                               "give another --out, or delete that folder")
-        torch.manual_seed(args.seed)
-        model = PatchTransformer(kind, xtr.shape[1], xtr.shape[2], args.dim, args.layers, args.heads, 10,
-                                 args.num_prototypes, temperature, args.loss_weight, to_tokens,
-                                 over.get("prototype_init", args.prototype_init),
-                                 task_to_protos, over.get("mode", "straight_through"))
-        if kind == "ddcl":
-            import warnings
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the rho = 1 ablation is deliberate
-                groups = prototype_param_groups(model, args.lr, ratio)
-        else:
-            groups = [{"params": list(model.parameters()), "lr": args.lr}]
-        opt = torch.optim.Adam(groups)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(args.steps, "cosine",
-                                                                       warmup=max(1, args.steps // 20), floor=0.0))
+        kind, ddcl, model, opt, scheduler = _arm_setup(name, args, xtr.shape[1], xtr.shape[2])
         order, window = _Order(len(ytr), args.batch_size, args.seed), _Window()
         run.keep(model=model, optimizer=opt, scheduler=scheduler, order=order, window=window)
         step = run.resume(found, announce=False)
@@ -188,34 +186,28 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
             for key, value in values.items():
                 window.values[key].append(value)
             if run.due(args.log_every, step + 1) or step == 0:
-                record = window.mean_record()
-                if out_ is not None:
-                    record["identity_max_so_far"] = window.identity_max
-                run.log(step + 1, record)
+                run.log(step + 1, {**window.mean_record(),
+                                   **({"identity_max_so_far": window.identity_max} if out_ is not None else {})})
             if run.due(args.eval_every, step + 1):
                 window.seconds += time.perf_counter() - t0
                 run.log(step + 1, {"test_accuracy": accuracy(model, xte, yte)[0]})
                 t0 = time.perf_counter()
         t_eval = time.perf_counter()
         acc, usage = accuracy(model, xte, yte)
-        t_eval = time.perf_counter() - t_eval
-        records = metrics_records(run.dir)
+        t_eval, records = time.perf_counter() - t_eval, metrics_records(run.dir)
         result = {"arm": name, "readout": kind, "test_accuracy": acc, "train_wall_s": window.seconds,
                   "eval_wall_s": t_eval, "params": sum(p.numel() for p in model.parameters()),
                   "curve": [{"step": r["step"], "test_accuracy": r["test_accuracy"]} for r in records
                             if "test_accuracy" in r], "train_log": [r for r in records if "ce" in r]}
         if kind == "ddcl":
-            result.update(temperature=temperature, prototype_lr_ratio=ratio, distortion_to_tokens=to_tokens,
-                          task_grad_to_prototypes=task_to_protos, mode=over.get("mode", "straight_through"),
-                          loss_weight=args.loss_weight, usage=usage.to_dict(), identity_max=window.identity_max)
+            result.update(**ddcl, usage=usage.to_dict(), identity_max=window.identity_max)
         if run.is_main:
             finished.write_text(json.dumps(result, indent=2) + "\n")
         return result, model
 
 
 def train_compressor(args, tokens: Tensor, show_progress: bool):
-    """The hierarchical compressor (windows ``args.windows``) trained on frozen token features (N, T, D) for
-    ``args.compressor_steps`` Adam steps; -> (compressor, first loss, last loss, wall seconds)."""
+    """The compressor trained on frozen tokens (N, T, D) -> (compressor, first loss, last loss, wall seconds)."""
     torch.manual_seed(args.seed)
     comp = HierarchicalCompressor(tokens.shape[-1], args.windows, args.compressor_prototypes,
                                   temperature=args.temperature, distortion_to_tokens=False, prototype_init="kmeans")
@@ -234,3 +226,54 @@ def train_compressor(args, tokens: Tensor, show_progress: bool):
         last_loss = float(out.loss.detach())
         first_loss = last_loss if first_loss is None else first_loss
     return comp, first_loss, last_loss, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def features(model: PatchTransformer, tokens_u8: Tensor, batch: int = 1000) -> Tensor:
+    model.eval()
+    outs = [model.tokens(to_float(tokens_u8[i:i + batch])) for i in range(0, len(tokens_u8), batch)]
+    return torch.cat([h[:, 1:] if model.cls is not None else h for h in outs])  # without the class token
+
+
+@torch.no_grad()
+def window_mean_errors(tokens: Tensor, windows: List[int]) -> List[float]:
+    """Cumulative relative error of plain window-mean pooling over the same windows (no masks)."""
+    b, t0, d = tokens.shape
+    x, pos, errs = tokens, torch.arange(t0).expand(b, t0), []
+    total = (tokens - tokens.reshape(-1, d).mean(0)).pow(2).sum().double()
+    for w in windows:
+        t = x.shape[1]
+        n = -(-t // w)
+        pad = n * w - t
+        xw = F.pad(x, (0, 0, 0, pad)).reshape(b, n, w, d)
+        cnt = F.pad(torch.ones(b, t), (0, pad)).reshape(b, n, w).sum(2, keepdim=True)
+        x = xw.sum(2) / cnt
+        pos = torch.div(pos, w, rounding_mode="floor")
+        rec = torch.gather(x, 1, pos[..., None].expand(b, t0, d))
+        errs.append(float((tokens - rec).pow(2).sum().double() / total))
+    return errs
+
+
+def run_compressor(args, model: PatchTransformer, train_u8: Tensor, test_u8: Tensor, show_progress: bool) -> Dict:
+    ftr = features(model, train_u8[:args.compressor_train])
+    fte = features(model, test_u8[:args.compressor_test])
+    comp, first_loss, last_loss, wall = train_compressor(args, ftr, show_progress)
+    comp.eval()
+    with torch.no_grad():
+        out = comp(fte)
+        per_stage_usage = []
+        for st, readout in zip(out.stages, comp.stages):
+            u = CodebookUsage(readout.num_prototypes)
+            u.update(st.usage_indices, st.soft_counts)
+            s = u.compute()
+            per_stage_usage.append({"utilization": s.utilization, "perplexity": s.perplexity})
+    mean_errs = window_mean_errors(fte, args.windows)
+    stages = [{"stage": s + 1, "window": w, "num_prototypes": comp.stages[s].num_prototypes,
+               "tokens_out_per_sequence": int(out.masks[s][0].sum()), "ratio": float(out.ratios[s]),
+               "cumulative_ratio": float(out.cumulative_ratios[s]), "stage_error": float(out.errors[s]),
+               "cumulative_error": float(out.cumulative_errors[s]), "window_mean_cumulative_error": mean_errs[s],
+               "distortion": float(out.stages[s].distortion), "ols": float(out.stages[s].ols),
+               "variance": float(out.stages[s].variance), **per_stage_usage[s]} for s, w in enumerate(args.windows)]
+    return {"source_arm": model.kind, "tokens_per_sequence": int(fte.shape[1]), "windows": args.windows,
+            "train_sequences": len(ftr), "test_sequences": len(fte), "steps": args.compressor_steps,
+            "train_loss_first": first_loss, "train_loss_last": last_loss, "train_wall_s": wall, "stages": stages}
