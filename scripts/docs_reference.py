@@ -1,0 +1,196 @@
+"""The tables of docs/reference/config.md and the commands of docs/reference/cli.md, generated from the code.
+
+    .venv/bin/python scripts/docs_reference.py            # rewrite the blocks between the markers
+    .venv/bin/python scripts/docs_reference.py --check    # exit 1, naming the page, when one differs from the code
+
+A block lives between ``<!-- reference:NAME -->`` and ``<!-- /reference:NAME -->``. config.md: a table per section of
+the typed settings (each key's type, default, allowed values and the trailing comment, or the quantizer class's
+docstring, that explains it); cli.md: the ``--help`` of every command and subcommand of ``ddcl-vq``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docs_results import ROOT, fill, update  # noqa: E402 - the marked blocks and --check, as for the results
+
+#: what the model keys are (ModelConfig is made from the Encoder's signature, which has no docstring)
+MODEL_NOTES = {
+    "channels": "channels of the small VQ-VAE's encoder and decoder",
+    "num_res_blocks": "residual blocks (per resolution in the VQGAN)",
+    "num_downsamples": "stride-2 halvings: 32×32 images give 8×8 latents at 2",
+    "latent_dim": "D, the codebook's dimension", "res_hidden": "hidden channels of a residual block",
+    "arch": "`vqvae` (the small model) or `vqgan` (diffusers' encoder/decoder: docs/guide/vqgan.md)",
+    "ch": "VQGAN: channels of the first block", "ch_mult": "VQGAN: channel multiplier per resolution",
+    "attn_resolutions": "VQGAN: resolutions whose blocks have attention",
+    "z_channels": "VQGAN: channels of the encoder's output, before the 1×1 conv to D",
+    "norm_groups": "VQGAN: GroupNorm groups",
+}
+#: quantizer keys that are no quantizer class's constructor argument: (the quantizer types that take it, what it sets)
+QUANTIZER_NOTES = {
+    "type": ("all", "the quantizer"), "num_codes": ("all", "K, the codebook size"),
+    "decay": ("ddcl, ema", "EMA decay of the codebook statistics; `null` = the quantizer's own default (ddcl 0.9, "
+                           "ema 0.99)"),
+    "vqp": ("vqp", "vector-quantize-pytorch `VectorQuantize` keyword arguments, passed as they are"),
+    "fsq_levels": ("fsq", "FSQ's grid, e.g. [8, 6, 5]; `null` = the FSQ paper's levels for num_codes"),
+    "simvq": ("simvq", "SimVQ keyword arguments, plus ours: `codebook_bias`, `data_init`"),
+    "lfq": ("lfq", "LFQ keyword arguments (num_codes a power of 2)"),
+}
+
+
+def cell(text: str) -> str:
+    return (text or "").replace("|", "\\|").replace("\n", " ")
+
+
+def first_sentence(text: str) -> str:
+    text = re.split(r"(?<=\.)\s+(?=[A-Z])", " ".join(text.split()), maxsplit=1)[0].rstrip(".")
+    return re.sub(r":\w+:`~?([^`]*)`", r"`\1`", text.replace("``", "`"))  # :meth:`step` -> `step`
+
+
+def described(cls: type, key: str) -> str:
+    """The first sentence of ``key``'s entry in the ``Args:`` section of ``cls``'s docstring ('' when none)."""
+    args = (inspect.getdoc(cls) or "").partition("\nArgs:\n")[2].split("\n\n")[0]
+    m = re.search(rf"^    (?:\w+, )*{key}(?:, \w+)*: (.*?)(?=\n    \S|\Z)", args, re.M | re.S)
+    return first_sentence(m.group(1)) if m else ""
+
+
+def fields_of(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any, Any, str]]:
+    """(dotted key, annotation, default, what it sets: its trailing ``# comment`` or its option's help) for every
+    leaf of the dataclass instance ``obj``."""
+    try:
+        source = inspect.getsource(type(obj))
+    except (OSError, TypeError):  # a generated class
+        source = ""
+    comments = dict(reversed(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+?)\s*$", source, re.M)))
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from fields_of(value, f"{prefix}{f.name}.")
+        else:
+            text = comments.get(f.name) or f.metadata.get("option", {}).get("help", "")  # an option's --help
+            yield prefix + f.name, hints[f.name], value, text
+
+
+def allowed(key: str, rules: Any) -> str:
+    parts = [", ".join(f"`{yaml_text(v)}`" for v in rules.choices[key])] if key in rules.choices else []
+    parts += [text for keys, text in ((rules.positive, "> 0"), (rules.non_negative, "≥ 0"),
+                                      (rules.seeds, "a seed (−2⁶³ to 2⁶⁴ − 1)")) if key in keys]
+    return "; ".join(parts)
+
+
+def yaml_text(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10 ** 6, allow_unicode=True).split("\n...")[0].strip()
+
+
+def table(obj: Any, rules: Any, prefix: str = "", notes: Optional[Dict[str, str]] = None,
+          users: Optional[Dict[str, str]] = None) -> str:
+    """The markdown table of the leaves of dataclass instance ``obj`` (their keys after ``prefix``); ``notes``: what
+    a key sets, instead of its comment; ``users``: the quantizer types that take each key (a column)."""
+    from ddcl_vq.common.config import type_name
+    from ddcl_vq.studies.tables import markdown_table
+
+    head = ["key", "type", "default", "allowed"] + (["quantizer types"] if users else []) + ["what it sets"]
+    rows = []
+    for key, annotation, default, comment in fields_of(obj, prefix):
+        leaf = key.rsplit(".", 1)[-1]
+        comment = "" if re.fullmatch(r"\w+( \| \w+)+", comment) else comment  # the allowed values again
+        row = [f"`{key}`", type_name(annotation), f"`{yaml_text(default)}`", allowed(key, rules)]
+        row += [users.get(leaf, "")] if users else []
+        rows.append(dict(zip(head, map(cell, row + [(notes or {}).get(leaf) or comment]))))
+    return markdown_table(rows, [(h, h, "") for h in head])
+
+
+def quantizer_notes() -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(key -> the quantizer types that take it, key -> what it sets) for the quantizer section."""
+    from ddcl_vq.tokenizer.config import QUANTIZER_CLASSES, quantizer_keys
+
+    users: Dict[str, list] = {}
+    notes = {key: text for key, (_, text) in QUANTIZER_NOTES.items()}
+    for qtype, cls in QUANTIZER_CLASSES.items():
+        for key in quantizer_keys(qtype):
+            users.setdefault(key, []).append(qtype)
+            notes[key] = notes.get(key) or described(cls, key)
+    types = {key: ", ".join(names) for key, names in users.items()}
+    return {**types, **{key: names for key, (names, _) in QUANTIZER_NOTES.items()}}, notes
+
+
+def config_blocks() -> Dict[str, str]:
+    """``train.SECTION``, ``prior.SECTION``, ``study``, ``arms``, ``parts``, ``prior_study`` -> its table."""
+    from ddcl_vq.prior import train as prior
+    from ddcl_vq.studies import prior_study, study
+    from ddcl_vq.tokenizer import config
+
+    users, notes = quantizer_notes()
+    extra = {"model": (MODEL_NOTES, None), "quantizer": (notes, users)}
+    cfg, pcfg, rules = config.Config(), prior.PriorConfig(), study.STUDY_RULES
+    blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.", *extra.get(name, ()))
+              for name in cfg.to_dict()}
+    blocks.update({f"prior.{name}": table(getattr(pcfg, name), prior.RULES, f"{name}.") for name in pcfg.to_dict()})
+    return {**blocks, "study": table(study.StudyFile(), rules), "arms": table(study.ArmSpec(), rules),
+            "parts": table(study.Part(), rules), "prior_study": table(prior_study.PriorStudyFile(), prior_study.RULES)}
+
+
+def commands() -> Iterator[Tuple[str, str, Any]]:
+    """(command as typed, one-line help, its Options) for every command and subcommand of ``ddcl-vq``."""
+    from ddcl_vq.cli import COMMANDS, ROUTES
+
+    for name, (module_name, text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        if not hasattr(module, "SUBCOMMANDS"):
+            yield f"ddcl-vq {name}", text, module.OPTIONS
+            continue
+        subs = {sub: getattr(module, sub.upper()) for sub in module.SUBCOMMANDS}
+        subs.update({sub: importlib.import_module(routed).OPTIONS for (cmd, sub), routed in ROUTES.items()
+                     if cmd == name})
+        for sub, options in subs.items():
+            yield f"ddcl-vq {name} {sub}", first_sentence(options.description.split("\n\n")[0]), options
+
+
+def help_text(options: Any) -> str:
+    """What ``--help`` prints, at a fixed width (not the terminal's)."""
+    parser = options.parser()
+    parser.formatter_class = functools.partial(parser.formatter_class, width=110)
+    return parser.format_help().strip()
+
+
+def cli_blocks() -> Dict[str, str]:
+    """``commands`` -> a table of the commands, then each one's ``--help``."""
+    entries = list(commands())
+    out = ["| command | what it does |", "|---|---|"]
+    out += [f"| [`{command}`](#{command.replace(' ', '-')}) | {cell(text)} |" for command, text, _ in entries]
+    for command, text, options in entries:
+        out += ["", f"## {command}", "", text, "", "```", help_text(options), "```"]
+    return {"commands": "\n".join(out)}
+
+
+def expected(page: Path, make: Callable[[], Dict[str, str]]) -> str:
+    """What ``page`` must hold: its text with every block ``make`` writes in place (ValueError for one it lacks)."""
+    blocks = make()
+    text = fill(page.read_text(encoding="utf-8"), blocks, "reference", str(page.relative_to(ROOT)))
+    missing = [name for name in blocks if f"<!-- reference:{name} -->" not in text]
+    if missing:
+        raise ValueError(f"{page.name} has no <!-- reference:NAME --> block for {', '.join(missing)}")
+    return text
+
+
+PAGES = {ROOT / "docs" / "reference" / name: functools.partial(expected, ROOT / "docs" / "reference" / name, make)
+         for name, make in (("config.md", config_blocks), ("cli.md", cli_blocks))}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return update(PAGES, argv, __doc__, "docs_reference.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
