@@ -237,7 +237,7 @@ def test_compare_two_runs_writes_every_file(tiny_runs, tmp_path):
     assert [p.stat().st_mtime_ns for p in stored] == mtimes  # fresh: reused, not evaluated again
 
 
-def test_quick_study_end_to_end(tmp_path):
+def test_quick_study_end_to_end(tmp_path, capsys):
     study = tmp_path / "study_tiny.yaml"
     study.write_text(yaml.safe_dump({
         "name": "tiny", "base": {"data": {"name": "fashion_mnist"}, "quantizer": {"num_codes": 16}},
@@ -246,6 +246,7 @@ def test_quick_study_end_to_end(tmp_path):
                  {"name": "hard", "overrides": ["quantizer.type=hard"]}]}))
     out = tmp_path / "report"
     assert study_main(["--config", str(study), "--quick", "--out", str(out)]) == 0
+    assert "warning: 1 DDCL arm(s) (e.g. ddcl) end inside the quantizer's warm-up" in capsys.readouterr().err
     for name in ("report.md", "table.md", "table.csv", "table.json", "study.json", "usage_histograms.png",
                  "usage_over_training.png", "psnr_vs_utilization.png", "reconstructions.png"):
         assert (out / name).is_file(), name
