@@ -164,8 +164,6 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
 
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, IBQQuantizer, SimVQQuantizer, VQPQuantizer
     one = torch.ones((), device=device)
-    if name.endswith("-eval"):
-        return synchronized(eval_step(name, inp, DDCLQuantizer, SimVQQuantizer), device)
     z, gr = inp.z, inp.grad
     if name == "ddcl-first":
         # every call builds a fresh quantizer: each run includes the k-means start and the first-batch set-up
@@ -183,10 +181,19 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         quant.initialized.fill_(True)
     elif name in ("hardvq", "emavq", "vqp", "ibq"):
         quant = {"hardvq": HardVQ, "emavq": EMAVQ, "vqp": VQPQuantizer, "ibq": IBQQuantizer}[name](k, d, channel_dim=-1)
+    elif name == "simvq-eval":
+        quant = SimVQQuantizer(k, d, channel_dim=-1, codebook_bias=True, data_init=True, rotation_trick=False)
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
-    if name != "vqp":  # the shared codebook (vector-quantize-pytorch keeps its own initialisation)
+    if name not in ("vqp", "simvq-eval"):  # the shared codebook (the wrapped peers keep their own initialisation)
         (quant.embed if name == "emavq" else quant.weight.data).copy_(inp.codebook.cpu())
+    if name.endswith("-eval"):  # what ``ddcl-vq evaluate`` asks of a batch: no gradient (DDCL: hard and soft codes)
+        quant.to(device).eval()
+
+        def evaluate():
+            with torch.no_grad():
+                quant(z)
+        return synchronized(evaluate, device)
     quant.to(device).train()
 
     def step():
@@ -196,28 +203,6 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         for p in quant.parameters():
             p.grad = None
     return synchronized(step, device)
-
-
-def eval_step(name: str, inp: Inputs, ddcl_class, simvq_class) -> Callable[[], None]:
-    """One evaluation batch of ``ddcl-eval`` (indices and the soft codes the evaluation decodes) or
-    ``simvq-eval`` (indices), on the shared codebook, under no_grad."""
-    d, k = inp.z.shape[1], inp.codebook.shape[0]
-    if name == "ddcl-eval":
-        quant = ddcl_class(k, d, channel_dim=-1, warmup_steps=0)
-        quant.initialized.fill_(True)
-        quant.distance_scale.fill_(1.0)
-        quant.weight.data.copy_(inp.codebook.cpu())
-    else:
-        quant = simvq_class(k, d, channel_dim=-1, codebook_bias=True, data_init=True, rotation_trick=False)
-    quant.to(inp.z.device).eval()
-    z = inp.z.detach()
-
-    def step():
-        with torch.no_grad():
-            out = quant(z)
-            if name == "ddcl-eval":
-                assert out.soft_codes is not None
-    return step
 
 
 #: the configs the VQ-VAE step compares, and the same as overrides of the defaults (for an installed copy)
