@@ -67,9 +67,9 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         decay: EMA decay of the M-step statistics (on sg(z), in training forwards: the codebook is a
             parameter with ``requires_grad=False``) and of the hard usage.
         revive_threshold: a code whose EMA hard usage falls below ``revive_threshold`` × N/K is
-            re-seeded on a batch vector drawn ∝ its squared distance to its nearest code, at most one
-            code per vector, the most starved first; a re-seeded code's usage starts at N/K. 0 turns it
-            off. Counted in the ``revived`` buffer.
+            re-seeded on a batch vector drawn uniformly, at most one code per vector, the most starved
+            first; a re-seeded code's mass and usage start at N/K. 0 turns it off. Counted in the
+            ``revived`` buffer.
         warmup_steps: during the first ``warmup_steps`` training forwards the decoder sees
             z + α·(out − z), α rising linearly from 0 to 1 (the gradient is out's); counted by training
             forwards, not :meth:`step`. 0 turns it off.

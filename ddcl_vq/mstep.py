@@ -65,8 +65,8 @@ class MStepCodebook:
         mass, hits, nearest_sum, count = totals[:k], totals[k:2 * k], totals[-2], totals[-1]
         # A slow running mean (time constant ~100 steps): early in training, while the encoder's
         # features contract several-fold, the lagging scale keeps the assignment soft; codes merge
-        # where the data left them and are re-seeded where the distortion is — a second,
-        # better-placed start of the codebook (what it buys: docs/results.md).
+        # where the data left them and are re-seeded on the data — a second, better-placed start of
+        # the codebook (what it buys: docs/results.md).
         # (the batch's mean in float64 on the device, rounded once as a Python float would be: no host sync)
         batch_mean = (0.01 * (nearest_sum / count.clamp_min(1))).to(self.distance_scale.dtype)
         self.distance_scale.mul_(0.99).add_(batch_mean)
