@@ -152,14 +152,9 @@ class RecentUsage:
         self.batch_share += present.sum() / self.num_codes
         self.batch_vectors += n
         self.batches += 1
-        if n >= length:
-            self.queue.copy_(flat[n - length:])
-            self.position, self.filled = 0, length
-            return
-        first = min(n, length - self.position)
-        self.queue[self.position:self.position + first] = flat[:first]
-        if first < n:
-            self.queue[:n - first] = flat[first:]
+        kept = min(n, length)  # the batch's last indices, written on from the ring's position
+        slots = (self.position + n - kept + torch.arange(kept, device=flat.device)) % length
+        self.queue[slots] = flat[n - kept:]
         self.position = (self.position + n) % length
         self.filled = min(length, self.filled + n)
 
