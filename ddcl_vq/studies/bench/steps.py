@@ -17,9 +17,9 @@ import torch
 
 # ----------------------------------------------------------------------------- what each costs, the plan
 # name -> (label, cost model, matmuls of the floor); the cost model: (matmuls of N×D·D×K, other N×K work in
-# D=64-matmul equivalents, N×K float tensors alive at the peak)
+# D=64-matmul equivalents, N×K float tensors alive at the peak: matmul6's are its operands, made outside the probe)
 IMPLEMENTATIONS = {
-    "matmul6": ("six bare matmuls (floor of the full DDCL gradient)", (6.0, 0.0, 0.0), 6),
+    "matmul6": ("six bare matmuls (floor of the full DDCL gradient)", (6.0, 0.0, 2.0), 6),
     "ddcl-mstep": ("DDCL default: straight_through, M-step codebook", (3.0, 4.0, 1.0), 3),
     "ddcl-first": ("DDCL default on its first training batch: a fresh quantizer, k-means start included",
                    (4.0, 5.0, 1.0), 3),
@@ -43,11 +43,7 @@ def calibrate(device: str = "cpu") -> float:
     """Seconds per flop of a D=64 matmul on ``device`` (median of 5 runs of 4096×64 · 64×4096)."""
     a, b = torch.randn(4096, 64, device=device), torch.randn(64, 4096, device=device)
     out = torch.empty(4096, 4096, device=device)
-
-    def run():
-        torch.mm(a, b, out=out)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
+    run = synchronized(lambda: torch.mm(a, b, out=out), out.device)
     run()
     return statistics.median(time_once(run) for _ in range(5)) / (2 * 4096 * 64 * 4096)
 
@@ -68,8 +64,6 @@ def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float,
     if name in ("ddcl-soft-fused", "ddcl-soft-chunked"):
         from ddcl_vq.blocks import chunk_rows
         extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers
-    if name == "matmul6":
-        extra += 2 * n * k * 4                # its N×K operands live outside the probe, but must fit
     return seconds, extra
 
 
@@ -273,9 +267,7 @@ def paired_times(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int
     for s in steps.values():
         for _ in range(warmup):
             s()
-    times: Dict[str, List[float]] = {label: [] for label in steps}
-    cpu: Dict[str, List[float]] = {label: [] for label in steps}
-    faults: Dict[str, List[int]] = {label: [] for label in steps}
+    times, cpu, faults = ({label: [] for label in steps} for _ in range(3))
     for r in range(repeats):
         order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
         for label in order:
