@@ -177,9 +177,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     t0 = time.perf_counter()
     meta = machine_info()
-    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
-                     e2e_repeats=31 if quick else 41, e2e_warmup=10, vqgan=not args.no_vqgan,
-                     vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
+    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, progress=not args.no_progress,
+                     e2e=None if args.no_e2e else dict(repeats=31 if quick else 41, warmup=10),
+                     vqgan=None if args.no_vqgan else dict(repeats=5 if quick else 11, warmup=1 if quick else 2),
                      device=device, **plan)
     prior_rows, prior_text = [], ""
     if not (args.no_prior or args.shapes):  # the prior's sampling speed
@@ -187,10 +187,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         prior_rows, prior_text = bench_prior(device, repeats=1 if quick else 3, no_cache=not quick)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                seconds=round(time.perf_counter() - t0, 1))
+                seconds=round(time.perf_counter() - t0, 1), device=device)
     if (end_load := load_average()) is not None:
         meta["loadavg_end"] = end_load
-    meta["device"] = device
     on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
     print(f"ddcl-vq bench — {on}{meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
           f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")

@@ -176,12 +176,11 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
-              memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
-              e2e_batch: int = 128, vqgan: bool = False, vqgan_repeats: int = 5,
-              vqgan_warmup: int = 2, vqgan_batch: int = 16, progress: bool = False,
+              memory: str = "rss", e2e: Optional[dict] = None, vqgan: Optional[dict] = None, progress: bool = False,
               calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu") -> List[dict]:
-    """Measure ``impls`` at ``shapes`` (and the VQ-VAE step with ``e2e``, the VQGAN-recipe step with ``vqgan``)
-    on ``device``; returns rows with ratios."""
+    """Measure ``impls`` at ``shapes`` on ``device``, then the VQ-VAE step (:func:`e2e_rows` with the keyword
+    arguments ``e2e``) and the VQGAN-recipe step (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with
+    ratios."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():
@@ -198,10 +197,10 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
         rows += run_shape(shape, [p for p in plans if p.shape == shape], memory, bar, device)
     bar.close()
     add_ratios(rows)
-    if e2e:
-        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, device=device)
-    if vqgan:
-        rows += vqgan_rows(repeats=vqgan_repeats, warmup=vqgan_warmup, batch=vqgan_batch, device=device)
+    if e2e is not None:
+        rows += e2e_rows(device=device, **e2e)
+    if vqgan is not None:
+        rows += vqgan_rows(device=device, **vqgan)
     for r in rows:
         r["memory_method"] = memory
         r["device"] = device
