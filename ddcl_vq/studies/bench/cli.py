@@ -12,6 +12,7 @@ import torch
 
 from ddcl_vq.common.machine import load_average, machine_info
 from ddcl_vq.common.errors import entry_point
+from ddcl_vq.common.progress import fmt
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
 from ddcl_vq.studies.bench.steps import IMPLS, calibrate, plan_measurements
@@ -26,16 +27,12 @@ QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
 def format_table(rows: List[dict]) -> str:
     head = f"{'impl':<26} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
     lines = [head, "-" * len(head)]
-    for r in rows:
-        if r.get("ms") is None:
-            n, d, k = ("—" if r.get(key) is None else r[key] for key in ("N", "D", "K"))
-            lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
-                         f"skipped: {r.get('skipped', '')}")
-            continue
-        peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+    for r in rows:  # a skipped row: '—' for what it lacks, and why it was skipped
+        n, d, k, ms, peak = (fmt(r.get(key), spec) for key, spec in (("N", ""), ("D", ""), ("K", ""), ("ms", ".1f"),
+                                                                     ("peak_mb", ".0f")))
         xv = "" if r.get("x_vqp") is None else f"{r['x_vqp']:.2f}"
         pm = "" if r.get("pct_matmul6") is None else f"{r['pct_matmul6']:.0f}%"
-        note = []
+        note = [f"skipped: {r.get('skipped', '')}"] if r.get("ms") is None else []
         if r.get("runs") == 1 and not r.get("warmup"):
             note.append("single cold run")
         elif r.get("probe") == "warmup":
@@ -53,8 +50,7 @@ def format_table(rows: List[dict]) -> str:
                         + (f", LPIPS {r['perceptual_net']}" if r.get("perceptual_net") else ""))
         if r.get("fallback"):
             note.append(f"model: {r['source']} ({r['fallback']})")
-        lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
-                     + "; ".join(note))
+        lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {ms:>10} {peak:>9} {xv:>7} {pm:>7}  " + "; ".join(note))
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ the six-matmul floor, and one VQ-VAE and one VQGAN-recipe training step (the loo
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 import warnings
@@ -237,12 +238,8 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, device: str = 
 
     def make(t, model, opt, scheduler):
         model.to(device).train()
-        state = {"step": 0}
-
-        def step():
-            training_step(model, x, state["step"], opt, scheduler, t)
-            state["step"] += 1
-        return synchronized(step, torch.device(device))
+        steps = itertools.count()  # optimizer steps done before each call
+        return synchronized(lambda: training_step(model, x, next(steps), opt, scheduler, t), torch.device(device))
 
     times, cpu, faults = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
     n = batch * 8 * 8
@@ -363,13 +360,12 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
 
     def make(label: str, cfg, model, optimizer, scheduler, gan, autocast, scaler):
         model.train()
-        state = {"step": cfg.loss.disc_start}       # the discriminator is on from here
+        steps = itertools.count(cfg.loss.disc_start)       # the discriminator is on from here
 
         def step():
-            _, _, out = training_step(model, x, state["step"], optimizer, scheduler, cfg.train, autocast=autocast,
+            _, _, out = training_step(model, x, next(steps), optimizer, scheduler, cfg.train, autocast=autocast,
                                       scaler=scaler, gan=gan)
             n_vectors[label] = out.quantizer.indices.numel()
-            state["step"] += 1
         return synchronized(step, torch.device(device))
 
     times, cpu, faults = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)
