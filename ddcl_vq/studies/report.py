@@ -96,7 +96,7 @@ def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequ
     from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, SEED_DEFINITIONS, markdown_table, mean_sd_table
     from ddcl_vq.tokenizer.metrics import definitions
     b = study.arms[0].config
-    seed_text = ", ".join(map(str, sorted({a.seed for a in study.arms if a.seed is not None})))  # arms may add their own
+    seed_text = ", ".join(map(str, sorted({a.seed for a in study.arms if a.seed is not None})))  # arms may add seeds
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "
               f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "
               f"downsamplings, D = {b.model.latent_dim}; {b.train.steps} steps, lr {b.train.lr:g} "
