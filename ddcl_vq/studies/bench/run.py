@@ -115,13 +115,10 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
     """Measure every runnable plan of one shape, round-robin, on ``device``; returns result rows, updating the
     ``progress`` bar per plan. ``memory``: "rss" (CPU), "cuda" (the CUDA allocator's peak), "subprocess" or "none"."""
     n, d, k = shape
-    rows = []
+    rows = [dict(impl=p.name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=p.skip, est_s=round(p.est_s, 2))
+            for p in plans if p.skip is not None]
+    progress.update(len(rows))
     live = [p for p in plans if p.skip is None]
-    for p in plans:
-        if p.skip is not None:
-            rows.append(dict(impl=p.name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=p.skip,
-                             est_s=round(p.est_s, 2)))
-            progress.update(1)
     if not live:
         return rows
     inp = make_inputs(n, d, k, device=device)

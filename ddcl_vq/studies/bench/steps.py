@@ -84,25 +84,21 @@ def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[st
                       repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
                       cal: float, probe_warmup: bool = False) -> List[Plan]:
     plans = []
-    for shape in shapes:
-        for name in impls:
-            est_s, est_b = estimate(name, *shape, cal)
-            p = Plan(name, shape, est_s, est_b, warmup, repeats)
-            if est_b > mem_budget:
-                p.skip = f"memory: needs ~{est_b / 2**30:.1f} GiB, budget {mem_budget / 2**30:.1f} GiB"
-            elif est_s > max_seconds:
-                p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
-            else:
-                runs = max(1, int(budget_seconds // max(est_s, 1e-6)))
-                if probe_warmup and warmup > 0 and runs >= warmup + repeats:
-                    p.probe = "warmup"                     # quick: the last warm-up run is probed
-                elif runs >= warmup + repeats + 1:
-                    pass                                   # warm-up, a probed run, timed repeats
-                elif runs >= 2:                            # probe the warm-up run, time the rest
-                    p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
-                else:                                      # one cold run, timed and probed
-                    p.warmup, p.repeats, p.probe = 0, 1, "timed"
-            plans.append(p)
+    for shape, name in itertools.product(shapes, impls):
+        est_s, est_b = estimate(name, *shape, cal)
+        p = Plan(name, shape, est_s, est_b, warmup, repeats)  # as asked: warm-up, a probed run, timed repeats
+        runs = max(1, int(budget_seconds // max(est_s, 1e-6)))  # what the time budget allows
+        if est_b > mem_budget:
+            p.skip = f"memory: needs ~{est_b / 2**30:.1f} GiB, budget {mem_budget / 2**30:.1f} GiB"
+        elif est_s > max_seconds:
+            p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
+        elif probe_warmup and warmup > 0 and runs >= warmup + repeats:
+            p.probe = "warmup"                     # quick: the last warm-up run is probed
+        elif runs < 2:                             # one cold run, timed and probed
+            p.warmup, p.repeats, p.probe = 0, 1, "timed"
+        elif runs < warmup + repeats + 1:          # probe the warm-up run, time the rest
+            p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
+        plans.append(p)
     return plans
 
 
