@@ -38,14 +38,12 @@ class RssProbe:
 
     @staticmethod
     def available() -> bool:
-        if _status_kb("VmHWM") is None:
-            return False
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            return True
         except OSError:
             return False
+        return _status_kb("VmHWM") is not None
 
     def start(self) -> None:
         release_buffers()  # the fused path's held q buffer: a probed run counts it as its own
