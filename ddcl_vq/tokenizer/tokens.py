@@ -32,7 +32,8 @@ from ddcl_vq.models import VQVAE
 
 from ddcl_vq.common.checkpoint import write_file
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
-from ddcl_vq.common.data import SPLITS, DataUnavailable, build_dataset, image_channels, resolve_workers
+from ddcl_vq.common.data import (SPLITS, DataUnavailable, SequentialBatches, build_dataset, image_channels, make_loader,
+                                 resolve_workers)
 from ddcl_vq.common.errors import Stopped, UserError, entry_point, one_line
 from ddcl_vq.common.progress import Progress
 from ddcl_vq.common.threads import set_threads, threads_option
@@ -193,7 +194,7 @@ def _from_pretrained(source: str, where: str) -> VQVAE:
 
 
 def run_data(cfg, model) -> dict:
-    """``config["data"]`` of an export, for a model loaded from a run directory."""
+    """``config["data"]`` of an export (``ddcl-vq export`` writes it; a model loaded from a run directory gets it)."""
     channels = image_channels(cfg.data)
     with torch.no_grad():
         grid = model.encoder(torch.zeros(1, channels, cfg.data.image_size, cfg.data.image_size)).shape[-2:]
@@ -280,11 +281,8 @@ def init_from_export(model: nn.Module, source: str) -> None:
 def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images: int = 0, device="cpu",
                    progress: bool = False, num_workers: int = 0):
     """-> (indices (N, h, w) numpy in ``index_dtype(K)``, labels (N,) int64, or None for a dataset without any)."""
-    from torch.utils.data import DataLoader, Subset
     n = len(dataset) if not max_images else min(max_images, len(dataset))
-    if n < len(dataset):
-        dataset = Subset(dataset, range(n))
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = make_loader(dataset, SequentialBatches(n, batch_size), num_workers, device)
     indices: Optional[np.ndarray] = None
     labels = np.empty(n, dtype=np.int64)
     bar = Progress(len(loader), "tokenize", unit="batch", every=max(len(loader) // 20, 1), off=not progress)
