@@ -296,8 +296,6 @@ def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images
         start += len(codes)
         bar.update(1)
     bar.close()
-    if indices is None:
-        raise ValueError("expected a non-empty dataset")
     return indices, (labels if (labels >= 0).any() else None)
 
 
