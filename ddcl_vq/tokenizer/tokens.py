@@ -135,14 +135,13 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
     if not path.is_file():
         raise TokenFileError(f"token file {str(path)!r} does not exist")
     from safetensors import SafetensorError, safe_open
-    from safetensors.numpy import load_file
     try:
         if path.suffix == ".npy":
             lp = labels_path(path)
             return _load_npy(path), (_load_npy(lp) if lp.is_file() else None), {}
         with safe_open(str(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, ValueError, EOFError, SafetensorError) as err:
         if isinstance(err, TokenFileError):
             raise
@@ -258,12 +257,8 @@ def init_from_export(model: nn.Module, source: str) -> None:
         raise ModelSourceError(f"{where}: no such folder here, and not a Hugging Face Hub id (user/name) either; give "
                                "the folder ddcl-vq export wrote, or its Hub id")
     read_as = " (not a folder here, so read as a Hugging Face Hub id)" if kind == "hub" else ""
-    try:
-        with torch.random.fork_rng(devices=[]):  # building it draws initial weights: not from the run's RNG stream
-            exported = VQVAE.from_pretrained(source)
-    except Exception as err:  # noqa: BLE001 - files, JSON, Hub: every failure is the user's to fix
-        raise ConfigError(f"{where}{read_as}: cannot load it as an exported model ({type(err).__name__}: "
-                          f"{one_line(err)[:300]})") from None
+    with torch.random.fork_rng(devices=[]):  # building it draws initial weights: not from the run's RNG stream
+        exported = _from_pretrained(source, where + read_as)
     state, own = exported.state_dict(), model.state_dict()
     misfit = sorted(k for k in set(state) | set(own)
                     if k not in state or k not in own or state[k].shape != own[k].shape)
