@@ -108,15 +108,23 @@ class EvaluateError(UserError, RuntimeError):
 
 def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.device | str = "cpu"):
     """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path); the quantizer's state (DDCL's τ
-    included) comes from the checkpoint."""
+    included) comes from the checkpoint. EvaluateError when an override changes a setting of the trained model (model.*,
+    quantizer.*)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
     cfg = load_config(run_dir / "config.yaml", overrides, saved=True)
-    if overrides:
-        check_overrides(run_dir, load_config(run_dir / "config.yaml", saved=True), cfg)
+    fixed = [(k, a, b) for k, a, b in differences(load_config(run_dir / "config.yaml", saved=True), cfg)
+             if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"] if overrides else []
+    if fixed:
+        changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
+        why = (" — the temperature comes from the schedule saved in the checkpoint"
+               if any(k.startswith("quantizer.temperature") for k, _, _ in fixed) else "")
+        raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
+                            f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
+                            "quantizer.implementation; to measure other settings, train a run with them")
     found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu")
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
@@ -133,19 +141,6 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
 
 #: the training's last usage figures (RecentUsage, saved with the checkpoint) that eval.json's codebook block repeats
 TRAINING_USAGE_KEYS = ("queue_utilization", "queue_indices", "queue_ceiling", "batch_utilization", "batch_ceiling")
-
-
-def check_overrides(run_dir: Path, trained, asked) -> None:
-    """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*)."""
-    fixed = [(k, a, b) for k, a, b in differences(trained, asked)
-             if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"]
-    if fixed:
-        changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
-        why = (" — the temperature comes from the schedule saved in the checkpoint"
-               if any(k.startswith("quantizer.temperature") for k, _, _ in fixed) else "")
-        raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
-                            f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
-                            "quantizer.implementation; to measure other settings, train a run with them")
 
 
 def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str = "test") -> Optional[str]:
