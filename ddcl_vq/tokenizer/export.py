@@ -147,8 +147,6 @@ def untied_disagreements(latents: torch.Tensor, codebook: torch.Tensor, ours: to
     cb = codebook.detach().double()
     o, t = ours.reshape(-1), theirs.reshape(-1)
     differ = o != t
-    if not bool(differ.any()):
-        return 0
     z, o, t = z[differ], o[differ], t[differ]
     d_ours, d_theirs = ((z - cb[o]) ** 2).sum(1), ((z - cb[t]) ** 2).sum(1)
     scale = (z ** 2).sum(1) + (cb[o] ** 2).sum(1) + (cb[t] ** 2).sum(1)
