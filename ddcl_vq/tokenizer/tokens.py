@@ -228,19 +228,18 @@ CONFIG_KEYS = {"quantizer_type": "quantizer.type", "quantizer_kwargs.num_codes":
 
 
 def _shape_differences(exported: Dict, built: Dict) -> List[str]:
-    """'config key: export X, this config Y' for every constructor size that differs."""
+    """'config key: export X, this config Y' for every constructor size that differs (the decoder's mirror the
+    encoder's)."""
     def flat(config: Dict) -> Dict:
-        out = {"quantizer_type": config.get("quantizer_type"), "arch": config.get("arch", "vqvae")}
-        for part in ("encoder_kwargs", "decoder_kwargs"):
-            out.update({f"{part}.{k}": v for k, v in (config.get(part) or {}).items()})
         q = config.get("quantizer_kwargs") or {}
-        return {**out, **{f"quantizer_kwargs.{k}": q.get(k) for k in ("num_codes", "dim")}}
+        return {"quantizer_type": config.get("quantizer_type"), "arch": config.get("arch", "vqvae"),
+                **{f"encoder_kwargs.{k}": v for k, v in (config.get("encoder_kwargs") or {}).items()},
+                **{f"quantizer_kwargs.{k}": q.get(k) for k in ("num_codes", "dim")}}
     a, b = flat(exported), flat(built)
     diffs: Dict[str, str] = {}
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
-            name = CONFIG_KEYS.get(key.replace("decoder_kwargs.out_channels", "encoder_kwargs.in_channels")) \
-                or "model." + key.split(".", 1)[-1]
+            name = CONFIG_KEYS.get(key) or "model." + key.split(".", 1)[-1]
             diffs.setdefault(name, f"{name}: export {a.get(key)!r}, this config {b.get(key)!r}")
     return list(diffs.values())
 
