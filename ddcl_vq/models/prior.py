@@ -129,12 +129,8 @@ class CodePrior(nn.Module):
 
     def _input(self, labels: Tensor, codes: Tensor, begin: int, end: int) -> Tensor:
         """Embeddings of input positions [begin, end): 0 is the start/class token, p ≥ 1 is code p − 1."""
-        parts = []
-        if begin == 0:
-            parts.append(self.start_emb(labels)[:, None])
-        lo = max(begin, 1)
-        if end > lo:
-            parts.append(self.code_emb(codes[:, lo - 1:end - 1]))
+        parts = [self.start_emb(labels)[:, None]] if begin == 0 else []
+        parts.append(self.code_emb(codes[:, max(begin, 1) - 1:end - 1]))  # empty for position 0 alone
         return self.drop(torch.cat(parts, 1) + self.pos_emb.weight[begin:end])
 
     def _trunk(self, x: Tensor, caches: Optional[List[Dict[str, Tensor]]] = None) -> Tensor:
