@@ -247,13 +247,6 @@ class VQVAEOutput:
     quantizer: QuantizerOutput
 
 
-def _readable(path: Path) -> None:
-    """Give a written file the permissions of any new file (safetensors writes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def architecture(arch: str = "vqvae") -> tuple:
     """(encoder class, decoder class) for a config's ``"arch"``: ``vqvae`` or ``vqgan`` (:mod:`.vqgan`)."""
     if arch == "vqvae":
@@ -326,7 +319,9 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         config = self._pretrained_config()
         save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
-        _readable(Path(save_directory) / WEIGHTS_NAME)
+        umask = os.umask(0)  # safetensors writes 0600: the weights get the permissions of any new file
+        os.umask(umask)
+        os.chmod(Path(save_directory) / WEIGHTS_NAME, 0o666 & ~umask)
         (Path(save_directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod
