@@ -97,9 +97,8 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                    cache_dir: Optional[str] = None, classifier_steps: int = 1000, batch_size: int = 250,
                    device: str = "cpu", progress: bool = False, write: bool = True) -> Dict:
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
-    from torchvision.utils import save_image
     from ddcl_vq.common.data import build_dataset
-    from ddcl_vq.tokenizer.decode import decode_indices
+    from ddcl_vq.tokenizer.decode import decode_indices, save_png
     from ddcl_vq.tokenizer.tokens import load_model
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
@@ -126,7 +125,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                          "codes_used": int(codes.unique().numel())}
     if write:
         shown = min(samples, 10 * max(model.num_classes, 8))
-        save_image(images[:shown], str(prior_dir / "samples.png"), nrow=model.num_classes or 8, padding=2)
+        save_png(images[:shown], prior_dir / "samples.png", model.num_classes or 8)
 
     data_cfg = tokenizer_info(cfg.data.tokenizer)["data"]
     result["frechet"], result["classifier"], result["class_accuracy"] = None, None, None

@@ -52,8 +52,6 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     from ddcl_vq.tokenizer.tokens import check_out, index_dtype, load_model, write_tokens
     from ddcl_vq.prior.train import load_prior
     out = check_out(out, "--out", suffix=".png")  # a folder in its place, or a file in the way of its folder
-    if count <= 0:
-        raise SampleError(f"--count: expected a number > 0, got {count}")
     cfg, model, meta = load_prior(prior_dir, device)
     source = tokenizer or cfg.data.tokenizer
     decoder = load_model(source, device)
