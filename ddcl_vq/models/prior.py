@@ -36,13 +36,11 @@ class CausalSelfAttention(nn.Module):
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
         drop = self.dropout if self.training else 0.0
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, dropout_p=drop)
-        elif t == 1:  # one new position attends to every cached one and itself
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
-        else:  # several new positions after cached ones: causal with an offset
+        if past and t > 1:  # several new positions after cached ones: causal with an offset
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
+        else:  # causal from the start, or one new position that attends to every cached one and itself
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and t > 1, dropout_p=drop)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -67,16 +65,15 @@ class CodePrior(nn.Module):
     def __init__(self, num_codes: int, height: int, width: int, num_classes: int = 0, dim: int = 128,
                  layers: int = 4, heads: int = 4, dropout: float = 0.0, mlp_ratio: int = 4):
         super().__init__()
-        for name, value in (("num_codes", num_codes), ("height", height), ("width", width), ("dim", dim),
-                            ("layers", layers), ("heads", heads)):
-            if value <= 0:
-                raise ValueError(f"expected {name} > 0, got {value}")
+        self.config = dict(num_codes=num_codes, height=height, width=width, num_classes=num_classes, dim=dim,
+                           layers=layers, heads=heads, dropout=dropout, mlp_ratio=mlp_ratio)
+        for name in ("num_codes", "height", "width", "dim", "layers", "heads"):
+            if self.config[name] <= 0:
+                raise ValueError(f"expected {name} > 0, got {self.config[name]}")
         if num_classes < 0:
             raise ValueError(f"expected num_classes >= 0, got {num_classes}")
         self.num_codes, self.height, self.width, self.num_classes = num_codes, height, width, num_classes
         self.length = height * width
-        self.config = dict(num_codes=num_codes, height=height, width=width, num_classes=num_classes, dim=dim,
-                           layers=layers, heads=heads, dropout=dropout, mlp_ratio=mlp_ratio)
         self.code_emb = nn.Embedding(num_codes, dim)
         self.start_emb = nn.Embedding(max(num_classes, 1), dim)   # the class token (or the one start token)
         self.pos_emb = nn.Embedding(self.length, dim)
@@ -91,12 +88,10 @@ class CodePrior(nn.Module):
 
     @staticmethod
     def _init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, 0.0, 0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------------ inputs
 
@@ -134,12 +129,8 @@ class CodePrior(nn.Module):
 
     def _input(self, labels: Tensor, codes: Tensor, begin: int, end: int) -> Tensor:
         """Embeddings of input positions [begin, end): 0 is the start/class token, p ≥ 1 is code p − 1."""
-        parts = []
-        if begin == 0:
-            parts.append(self.start_emb(labels)[:, None])
-        lo = max(begin, 1)
-        if end > lo:
-            parts.append(self.code_emb(codes[:, lo - 1:end - 1]))
+        parts = [self.start_emb(labels)[:, None]] if begin == 0 else []
+        parts.append(self.code_emb(codes[:, max(begin, 1) - 1:end - 1]))  # empty for position 0 alone
         return self.drop(torch.cat(parts, 1) + self.pos_emb.weight[begin:end])
 
     def _trunk(self, x: Tensor, caches: Optional[List[Dict[str, Tensor]]] = None) -> Tensor:
@@ -191,11 +182,8 @@ class CodePrior(nn.Module):
         try:
             codes = torch.zeros(count, self.length, dtype=torch.long, device=device)
             caches: Optional[List[Dict[str, Tensor]]] = [{} for _ in self.blocks] if use_cache else None
-            for t in range(self.length):
-                if use_cache:
-                    h = self._trunk(self._input(labels, codes, t, t + 1), caches)
-                else:
-                    h = self._trunk(self._input(labels, codes, 0, t + 1))
+            for t in range(self.length):  # with the cache only position t goes in, else positions 0..t
+                h = self._trunk(self._input(labels, codes, t if use_cache else 0, t + 1), caches)
                 codes[:, t] = self._pick(self.head(h[:, -1]), temperature, top_k, generator)
         finally:
             self.train(was_training)

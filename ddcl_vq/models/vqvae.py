@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from huggingface_hub import PyTorchModelHubMixin
+from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import Tensor, nn
 
 from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer,
@@ -25,6 +25,8 @@ QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": V
                    "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer,
                    "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
+#: the keys every config.json holds
+REQUIRED = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -67,7 +69,7 @@ def check_config(config: Any, where: str) -> Dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"expected {where} to hold a JSON object (written by VQVAE.save_pretrained or ddcl-vq "
                          f"export), got a JSON {type(config).__name__}")
-    missing = [k for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs") if k not in config]
+    missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ValueError(f"expected {where} to have {', '.join(missing)} (a VQVAE config); got keys {sorted(config)}")
     for key in ("encoder_kwargs", "decoder_kwargs", "quantizer_kwargs"):
@@ -161,16 +163,6 @@ def load_weights(model: torch.nn.Module, weights: str, strict: bool = True, devi
                          f"codes, channels or quantizer? the two files must come from one export): {detail}") from None
 
 
-def latent_grid(config: Optional[Dict[str, Any]]) -> Optional[Tuple[int, int]]:
-    """(h, w) of the code grid the model was trained on (``config["data"]["latent_size"]``), or None."""
-    size = ((config or {}).get("data") or {}).get("latent_size")
-    if isinstance(size, int) and size > 0:
-        return size, size
-    if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
-        return int(size[0]), int(size[1])
-    return None
-
-
 def index_maps(indices: Tensor, grid: Optional[Tuple[int, int]] = None) -> Tensor:
     """(B, h, w) long index maps from (B, h, w) maps or flat (B, L) / (L,) integer sequences, laid out on ``grid``
     (h, w), else on a square."""
@@ -255,13 +247,6 @@ class VQVAEOutput:
     quantizer: QuantizerOutput
 
 
-def _readable(path: Path) -> None:
-    """Give a written file the permissions of any new file (safetensors writes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def architecture(arch: str = "vqvae") -> tuple:
     """(encoder class, decoder class) for a config's ``"arch"``: ``vqvae`` or ``vqgan`` (:mod:`.vqgan`)."""
     if arch == "vqvae":
@@ -303,8 +288,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "VQVAE":
         """Build (untrained) from a config: encoder, quantizer, decoder in that order, as in training."""
-        missing = [k for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
-                   if k not in config]
+        missing = [k for k in REQUIRED if k not in config]
         if missing:
             raise ValueError(f"expected a VQVAE config with {', '.join(missing)}; got keys {sorted(config)}")
         encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
@@ -335,7 +319,9 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
 
         config = self._pretrained_config()
         save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
-        _readable(Path(save_directory) / WEIGHTS_NAME)
+        umask = os.umask(0)  # safetensors writes 0600: the weights get the permissions of any new file
+        os.umask(umask)
+        os.chmod(Path(save_directory) / WEIGHTS_NAME, 0o666 & ~umask)
         (Path(save_directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -345,13 +331,10 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         source = str(pretrained_model_name_or_path)
         if os.path.isdir(source):
             config_file = os.path.join(source, "config.json")
-        else:
-            from huggingface_hub import hf_hub_download
-            config_file = hf_hub_download(repo_id=source, filename="config.json", revision=kwargs.get("revision"),
-                                          cache_dir=kwargs.get("cache_dir"),
-                                          force_download=kwargs.get("force_download", False),
-                                          token=kwargs.get("token"),
-                                          local_files_only=kwargs.get("local_files_only", False))
+        else:  # the Hub: the download options the mixin takes (their defaults are hf_hub_download's)
+            hub = {k: kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
+                   if k in kwargs}
+            config_file = hf_hub_download(repo_id=source, filename="config.json", **hub)
         if os.path.isfile(config_file):
             check_config(read_config_file(config_file), repr(config_file))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
@@ -371,7 +354,6 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
             if not os.path.isfile(weights):
                 raise FileNotFoundError(f"expected {weights!r} (written by VQVAE.save_pretrained or ddcl-vq export)")
         else:
-            from huggingface_hub import hf_hub_download
             weights = hf_hub_download(repo_id=model_id, filename=WEIGHTS_NAME, revision=revision,
                                       cache_dir=cache_dir, force_download=force_download, token=token,
                                       local_files_only=local_files_only)
@@ -386,8 +368,14 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         return model.eval()
 
     def latent_shape(self) -> Optional[Tuple[int, int]]:
-        """(h, w) of the code grid of the images the model was trained on, when its config records it."""
-        return latent_grid(self.config)
+        """(h, w) of the code grid of the images the model was trained on, when its config records it
+        (``config["data"]["latent_size"]``), else None."""
+        size = ((self.config or {}).get("data") or {}).get("latent_size")
+        if isinstance(size, int) and size > 0:
+            return size, size
+        if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
+            return int(size[0]), int(size[1])
+        return None
 
     def forward(self, x: Tensor) -> VQVAEOutput:
         q = self.quantizer(self.encoder(x))

@@ -37,9 +37,7 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     loader = make_loader(train_set, EpochBatches(len(train_set), 128, seed), 0)
     bar = Progress(steps, f"classifier ({data_cfg.name})", unit="step", every=max(steps // 10, 1), off=not progress)
     model.train()
-    for step, (x, y) in enumerate(loader):
-        if step >= steps:
-            break
+    for _, (x, y) in zip(range(steps), loader):
         loss = F.cross_entropy(model(x.to(device)), torch.as_tensor(y).to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()

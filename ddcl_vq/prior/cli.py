@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import List, Optional
 
@@ -178,9 +178,8 @@ EVALUATE = Options(EvaluateOptions, prog="ddcl-vq prior evaluate",
 def evaluate_main(argv: Optional[List[str]] = None) -> int:
     opts = EVALUATE.parse(argv)
     from ddcl_vq.prior.evaluation import evaluate_prior, format_eval
-    result = evaluate_prior(opts.prior_dir, opts.test or None, opts.max_test, opts.samples, opts.real,
-                            opts.temperature, opts.top_k, opts.seed, opts.cache_dir, opts.classifier_steps,
-                            device=_device(opts.device), progress=not opts.quiet)
+    result = evaluate_prior(opts.prior_dir, opts.test or None, device=_device(opts.device), progress=not opts.quiet,
+                            **{f.name: getattr(opts, f.name) for f in fields(SamplingOptions)})
     if not opts.quiet:
         print(format_eval(result))
         print(f"wrote {Path(opts.prior_dir) / 'eval.json'} and {Path(opts.prior_dir) / 'samples.png'}")

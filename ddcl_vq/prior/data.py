@@ -24,7 +24,6 @@ class Tokens:
     path: str
     codes: torch.Tensor
     labels: Optional[torch.Tensor]
-    metadata: Dict[str, str]
 
     @property
     def grid(self):
@@ -56,7 +55,7 @@ def load_tokens(path: str | Path, num_codes: int, what: str = "token file") -> T
         lab = torch.from_numpy(check_labels(np.asarray(labels), len(indices), f"{what} {str(path)!r}"))
         if (lab < 0).all():  # tokenize writes -1 for every image of a dataset without labels
             lab = None
-    return Tokens(str(path), torch.from_numpy(indices.astype(np.int64)), lab, meta)
+    return Tokens(str(path), torch.from_numpy(indices.astype(np.int64)), lab)
 
 
 def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
@@ -90,27 +89,26 @@ class PriorData:
         if not cfg.data.train_tokens:
             raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
         self.tokenizer = tokenizer_info(cfg.data.tokenizer)
-        k = self.tokenizer["num_codes"]
-        self.train = load_tokens(cfg.data.train_tokens, k, "training token file")
+        self.num_codes = self.tokenizer["num_codes"]
+        self.train = load_tokens(cfg.data.train_tokens, self.num_codes, "training token file")
         grid = self.tokenizer["grid"]
         if grid and self.train.grid != tuple(grid):
             raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
                                  f"the tokenizer {cfg.data.tokenizer!r} makes {grid[0]}x{grid[1]} ones")
+        conditional = cfg.model.class_conditional and self.train.labels is not None
+        self.num_classes = int(self.train.labels.max()) + 1 if conditional else 0
         self.test: List[Tokens] = []
         for path in cfg.data.test_tokens:
-            tokens = load_tokens(path, k, "test token file")
+            tokens = load_tokens(path, self.num_codes, "test token file")
             if tokens.grid != self.train.grid:
                 raise PriorDataError(f"test token file {path!r} holds {tokens.grid} code maps, the training tokens "
                                      f"{self.train.grid}")
-            self.test.append(tokens)
-        conditional = cfg.model.class_conditional and self.train.labels is not None
-        self.num_classes = int(self.train.labels.max()) + 1 if conditional else 0
-        for tokens in self.test:  # a test file without labels cannot be scored by a conditional prior
+            # a test file without labels cannot be scored by a conditional prior
             if self.num_classes and (tokens.labels is None or int(tokens.labels.max()) >= self.num_classes):
-                raise PriorDataError(f"test token file {tokens.path!r}: a class-conditional prior needs its labels "
+                raise PriorDataError(f"test token file {path!r}: a class-conditional prior needs its labels "
                                      f"in [0, {self.num_classes}) (set model.class_conditional=false for an "
                                      "unconditional prior)")
-        self.num_codes = k
+            self.test.append(tokens)
 
     def meta(self) -> Dict:
         return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,

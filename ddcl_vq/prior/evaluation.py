@@ -25,14 +25,10 @@ from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint, save_che
 from ddcl_vq.models.classifier import SmallClassifier
 from ddcl_vq.prior.classifier_train import ClassifierUnavailable, dataset_tensors, predict, train_classifier
 from ddcl_vq.prior.data import load_tokens, tokenizer_info
-from ddcl_vq.prior.sampling import sample_codes
+from ddcl_vq.prior.sampling import sample_codes, sample_labels
 from ddcl_vq.prior.train import load_prior, nll_bits
 
 ARCH = "cnn3-16-32-64-v1"   # bump when the architecture or training recipe changes: old caches are not reused
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DDCL_VQ_CACHE") or Path.home() / ".cache" / "ddcl-vq")
 
 
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -53,25 +49,14 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     return max(fd, 0.0)
 
 
-def _key(data_cfg, steps: int, seed: int) -> Tuple[str, Dict]:
-    spec = {"arch": ARCH, "dataset": data_cfg.name, "image_size": data_cfg.image_size, "steps": steps, "seed": seed,
-            "batch_size": 128, "lr": 2e-3}
-    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    return f"classifier_{data_cfg.name}_{data_cfg.image_size}_{digest}.pt", spec
-
-
-def real_images(data_cfg, split: str = "test", max_images: int = 0, seed: int = 0) -> Tuple[Tensor, Tensor]:
-    """The first ``max_images`` images (0 = all) of a split and their labels."""
-    from ddcl_vq.common.data import build_dataset
-    return dataset_tensors(build_dataset(data_cfg, split, seed), max_images)
-
-
 def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int = 1000, seed: int = 0,
                    device="cpu", progress: bool = False) -> Tuple[SmallClassifier, Dict]:
     """The cached classifier for this dataset and settings, trained (and cached) when missing."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    name, spec = _key(data_cfg, steps, seed)
-    path = cache / name
+    spec = {"arch": ARCH, "dataset": data_cfg.name, "image_size": data_cfg.image_size, "steps": steps, "seed": seed,
+            "batch_size": 128, "lr": 2e-3}
+    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    cache = Path(cache_dir or os.environ.get("DDCL_VQ_CACHE") or Path.home() / ".cache" / "ddcl-vq")
+    path = cache / f"classifier_{data_cfg.name}_{data_cfg.image_size}_{digest}.pt"
     if path.is_file():
         try:
             state = load_checkpoint(path)
@@ -112,8 +97,8 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                    cache_dir: Optional[str] = None, classifier_steps: int = 1000, batch_size: int = 250,
                    device: str = "cpu", progress: bool = False, write: bool = True) -> Dict:
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
-    from torchvision.utils import save_image
-    from ddcl_vq.tokenizer.decode import decode_indices
+    from ddcl_vq.common.data import build_dataset
+    from ddcl_vq.tokenizer.decode import decode_indices, save_png
     from ddcl_vq.tokenizer.tokens import load_model
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
@@ -130,7 +115,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     result.update(nll=nll[0] if nll else None, nll_files=nll)
 
     decoder = load_model(cfg.data.tokenizer, device)
-    labels = torch.arange(samples) % model.num_classes if model.num_classes else None
+    labels = sample_labels(model, samples)
     t0 = time.perf_counter()
     codes = sample_codes(model, samples, labels, temperature, top_k, seed, batch_size, device)
     seconds = time.perf_counter() - t0
@@ -140,7 +125,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
                          "codes_used": int(codes.unique().numel())}
     if write:
         shown = min(samples, 10 * max(model.num_classes, 8))
-        save_image(images[:shown], str(prior_dir / "samples.png"), nrow=model.num_classes or 8, padding=2)
+        save_png(images[:shown], prior_dir / "samples.png", model.num_classes or 8)
 
     data_cfg = tokenizer_info(cfg.data.tokenizer)["data"]
     result["frechet"], result["classifier"], result["class_accuracy"] = None, None, None
@@ -152,7 +137,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         result["frechet_unavailable"] = str(err)
     else:
         result["classifier"] = info
-        x_real, y_real = real_images(data_cfg, "test", real)
+        x_real, _ = dataset_tensors(build_dataset(data_cfg, "test", 0), real)
         f_real = features(classifier, x_real, device=device)
         fd = {"samples_vs_real": frechet_distance(features(classifier, images, device=device), f_real),
               "num_samples": samples, "num_real": len(x_real), "feature_space": "penultimate layer (128) of a small "

@@ -52,8 +52,6 @@ def sample_to_files(prior_dir: str | Path, count: int, out: str | Path, klass: O
     from ddcl_vq.tokenizer.tokens import check_out, index_dtype, load_model, write_tokens
     from ddcl_vq.prior.train import load_prior
     out = check_out(out, "--out", suffix=".png")  # a folder in its place, or a file in the way of its folder
-    if count <= 0:
-        raise SampleError(f"--count: expected a number > 0, got {count}")
     cfg, model, meta = load_prior(prior_dir, device)
     source = tokenizer or cfg.data.tokenizer
     decoder = load_model(source, device)
@@ -113,9 +111,7 @@ def bench_prior(device: str = "cpu", count: int = 64, num_codes: int = 1024, gri
     model = CodePrior(num_codes, grid, grid, 10, dim=m.dim, layers=m.layers, heads=m.heads, mlp_ratio=m.mlp_ratio,
                       dropout=m.dropout).to(device).eval()
     rows = []
-    for name, cache in (("prior-sample-kvcache", True), ("prior-sample-nocache", False)):
-        if not cache and not no_cache:
-            continue
+    for name, cache in (("prior-sample-kvcache", True), ("prior-sample-nocache", False))[:2 if no_cache else 1]:
         runs = repeats if cache else 1  # without the cache it is O(L^3): one run says enough
         time_sampling(model, min(count, 8), cache, 1, device)  # warm-up
         seconds, rate = time_sampling(model, count, cache, runs, device)

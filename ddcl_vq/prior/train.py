@@ -209,11 +209,9 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
             idx = torch.as_tensor(idx)
             codes = codes_all[idx].to(device)
             labels = labels_all[idx].to(device) if labels_all is not None else None
-            if net is model:
-                loss = model.loss(codes, labels)
-            else:  # through the DDP wrapper (its backward averages the gradients), the loss model.loss computes
-                logits = net(codes, labels).reshape(-1, model.num_codes).float()
-                loss = F.cross_entropy(logits, model.flatten(codes).reshape(-1))
+            # model.loss, computed through net: under torchrun the DDP wrapper, whose backward averages the gradients
+            logits = net(codes, labels).reshape(-1, model.num_codes).float()
+            loss = F.cross_entropy(logits, model.flatten(codes).reshape(-1))
             if not torch.isfinite(loss):
                 raise Diverged(f"step {step}: loss is {loss.item()}; lower train.lr (now {t.lr:g})")
             optimizer.zero_grad(set_to_none=True)
@@ -229,7 +227,6 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
                 if evaluate:
                     last_test = nll_bits(model, test, max_images=t.eval_images, device=device)
                     record["test_bits_per_token"] = last_test["bits_per_token"]
-                    model.train()
                 run.log(step + 1, record)
         step = run.step
         seconds = time.time() - t_start

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -88,18 +87,15 @@ def compare(run_dirs: Sequence[str | Path], out_dir: str | Path, split: str = "t
     out = writable_dir(Path(out_dir), "--out")  # before the evaluations
     evals = [ensure_eval(d, split, max_images, batch_size, progress, store=out / "evals") for d in run_dirs]
     rows = [make_row(d, ev, n) for d, ev, n in zip(run_dirs, evals, names or unique_names(run_dirs))]
-    staging = Path(tempfile.mkdtemp(prefix=".compare-", dir=out))
     try:
-        try:
-            write_tables(staging, rows, evals, split, max_images, command)
-            write_plots(staging, run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
-            for path in sorted(staging.iterdir()):  # into place, each file by one rename (atomic per file)
+        with tempfile.TemporaryDirectory(prefix=".compare-", dir=out, ignore_cleanup_errors=True) as staging:
+            write_tables(Path(staging), rows, evals, split, max_images, command)
+            write_plots(Path(staging), run_dirs, [r["name"] for r in rows], evals, rows, split, grid_images)
+            for path in sorted(Path(staging).iterdir()):  # into place, each file by one rename (atomic per file)
                 os.replace(path, out / path.name)
-        except OSError as err:
-            raise CompareWriteError(rows, f"could not write the comparison into {str(out)!r} "
-                                          f"({type(err).__name__}: {err.strerror or err})") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:
+        raise CompareWriteError(rows, f"could not write the comparison into {str(out)!r} "
+                                      f"({type(err).__name__}: {err.strerror or err})") from None
     return rows
 
 

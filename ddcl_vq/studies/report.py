@@ -8,11 +8,6 @@ from typing import Dict, List, Optional, Sequence
 from ddcl_vq.common.progress import fmt
 
 
-def run_seeds(study) -> List[int]:
-    """The seeds the study's runs use: the file's list, or more where arms give their own."""
-    return sorted({a.seed for a in study.arms if a.seed is not None})
-
-
 def _psnr(r: Dict) -> str:
     """'23.31 dB', or with seeds '23.31 ± 0.12 dB (n = 3)'."""
     if "n" not in r:
@@ -101,11 +96,12 @@ def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequ
     from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, SEED_DEFINITIONS, markdown_table, mean_sd_table
     from ddcl_vq.tokenizer.metrics import definitions
     b = study.arms[0].config
+    seed_text = ", ".join(map(str, sorted({a.seed for a in study.arms if a.seed is not None})))  # arms may add seeds
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "
               f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "
               f"downsamplings, D = {b.model.latent_dim}; {b.train.steps} steps, lr {b.train.lr:g} "
               f"({b.train.lr_schedule}), "
-              + (f"seed {b.run.seed}" if study.seeds is None else f"seeds {', '.join(map(str, run_seeds(study)))}"))
+              + (f"seed {b.run.seed}" if study.seeds is None else f"seeds {seed_text}"))
     ev = study.eval
     stamps = sorted(Path(r["run"], "checkpoints", "last.pt").stat().st_mtime for r in rows
                     if Path(r["run"], "checkpoints", "last.pt").is_file())
@@ -140,7 +136,7 @@ def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequ
     if groups is None:
         lines += ["## Results", "", markdown_table(rows)]
     else:
-        lines += ["## Results", "", f"Mean ± sample sd over seeds {', '.join(map(str, run_seeds(study)))} "
+        lines += ["## Results", "", f"Mean ± sample sd over seeds {seed_text} "
                   "(n = the seeds that finished; per-seed table below):", "", mean_sd_table(groups)]
     lines += ["", "Computed from the table:", ""] + headline(table)
     if any(a.vs for a in study.arms):

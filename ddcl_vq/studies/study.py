@@ -292,17 +292,13 @@ def load_study(path: str | Path, quick: bool = False, out: Optional[str | Path] 
 
 
 # ----------------------------------------------------------------------------- the output folder
-def checkpoint_step(run_dir: Path) -> Optional[int]:
+def arm_status(arm: Arm) -> str:
     from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint
     try:
-        return int(load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"])
+        step = int(load_checkpoint(Path(arm.config.run.dir) / "checkpoints" / "last.pt")["step"])
     except CheckpointError:  # none there, or unreadable
-        return None
-
-
-def arm_status(arm: Arm) -> str:
-    step = checkpoint_step(Path(arm.config.run.dir))
-    return "new" if step is None else "finished" if step >= arm.config.train.steps else f"interrupted at step {step}"
+        return "new"
+    return "finished" if step >= arm.config.train.steps else f"interrupted at step {step}"
 
 
 def check_run_dir(arm: Arm) -> None:
@@ -323,24 +319,19 @@ def check_run_dir(arm: Arm) -> None:
 OWNER_FILE = ".ddcl-vq-study"
 
 
-def out_owner(out: Path) -> Optional[str]:
-    """The name of the study owning ``out`` (its owner file, else its study.json), or None for a new folder."""
+def check_out(study: Study) -> None:
+    """Refuse, before anything trains, an output folder that holds another study: the one its owner file names,
+    else its study.json (neither: a new folder)."""
     for name in (OWNER_FILE, "study.json"):
         try:
-            found = json.loads((out / name).read_text()).get("study")
+            owner = json.loads((study.out / name).read_text()).get("study")
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(found, str):
-            return found
-    return None
-
-
-def check_out(study: Study) -> None:
-    """Refuse, before anything trains, an output folder that holds another study."""
-    owner = out_owner(study.out)
-    if owner is not None and owner != study.name:
-        raise StudyError(f"study {study.name!r}: the output folder {str(study.out)!r} holds the study {owner!r} "
-                         f"(its runs, report and table); choose another --out")
+        if isinstance(owner, str) and owner != study.name:
+            raise StudyError(f"study {study.name!r}: the output folder {str(study.out)!r} holds the study {owner!r} "
+                             f"(its runs, report and table); choose another --out")
+        if isinstance(owner, str):
+            return
 
 
 @contextlib.contextmanager

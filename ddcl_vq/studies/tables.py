@@ -203,35 +203,24 @@ def mean_sd_table(groups: Sequence[Dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- the files
-def table_footer(evals: Sequence[Dict], command: Optional[str]) -> str:
-    images = sorted({ev["num_images"] for ev in evals})
-    lines = [f"Evaluated on the {evals[0]['dataset']} {evals[0]['split']} split, "
-             f"{'/'.join(map(str, images))} images per run."]
-    if command:
-        lines.append(f"Command: `{command}`")
-    lines += [f"LPIPS: {n}" for n in sorted({ev["lpips_note"] for ev in evals})]
-    lines += [f"rFID: {n}" for n in sorted({ev["rfid_note"] for ev in evals})]
-    lines += ["", "Columns:", "```", COLUMN_DEFINITIONS, "```", "", "Definitions:", "```", definitions(), "```"]
-    return "\n".join(lines)
-
-
-def flat(row: Dict) -> Dict:
-    """A row for CSV: lists as space-separated text."""
-    return {k: (" ".join(str(x) for x in v) if isinstance(v, list) else v) for k, v in row.items()}
-
-
 def write_csv(path: Path, rows: Sequence[Dict]) -> None:
+    """``rows`` as CSV, lists as space-separated text."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(flat(r) for r in rows)
+        writer.writerows({k: " ".join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
 
 
 def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: str, max_images: int,
                  command: Optional[str] = None, groups: Optional[Sequence[Dict]] = None) -> None:
     """table.md, table.csv and table.json: one row per run; with ``groups`` (seeds) one row per arm × sweep point,
     mean ± sd, and the per-run rows below (table.md), in table_runs.csv and in table.json's ``runs``."""
-    text = [markdown_table(rows), "", table_footer(evals, command)]
+    images = "/".join(map(str, sorted({ev["num_images"] for ev in evals})))
+    text = [markdown_table(rows), "", f"Evaluated on the {evals[0]['dataset']} {evals[0]['split']} split, "
+            f"{images} images per run."] + ([f"Command: `{command}`"] if command else [])
+    text += [f"LPIPS: {n}" for n in sorted({ev["lpips_note"] for ev in evals})]
+    text += [f"rFID: {n}" for n in sorted({ev["rfid_note"] for ev in evals})]
+    text += ["", "Columns:", "```", COLUMN_DEFINITIONS, "```", "", "Definitions:", "```", definitions(), "```"]
     if groups is not None:
         text = [mean_sd_table(groups), "", "Per seed:", ""] + text + ["", "Seeds:", "```", SEED_DEFINITIONS, "```"]
         write_csv(out / "table_runs.csv", rows)

@@ -60,8 +60,6 @@ def check_peer_kwargs(qtype: str, kwargs: Dict[str, Any]) -> None:
 def quantizer_kwargs(q: QuantizerConfig, dim: int, steps: Optional[int] = None) -> Dict[str, Any]:
     """The configured quantizer's constructor arguments as plain values (written to config.json); ``decay`` only
     when set; the peers' sections as they are. ``steps``: a DDCL temperature schedule's length."""
-    if q.type not in QUANTIZER_TYPES:
-        raise ValueError(f"expected quantizer.type in {', '.join(QUANTIZER_TYPES)}, got {q.type!r}")
     kwargs: Dict[str, Any] = dict(num_codes=q.num_codes, dim=dim)
     kwargs.update({name: getattr(q, name) for name in quantizer_keys(q.type)
                    if not (name in PER_QUANTIZER_DEFAULT and getattr(q, name) is None)})

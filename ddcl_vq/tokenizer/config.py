@@ -232,17 +232,31 @@ def validate(cfg: Config) -> None:
     check_finite(cfg)
     check(cfg, RULES)
     check_photos(cfg.data.train_photos, cfg.data.test_photos)
-    size, factor = cfg.data.image_size, 2 ** cfg.model.num_downsamples
-    if cfg.model.arch == "vqgan":
-        _validate_vqgan(cfg)
+    m, lc, size = cfg.model, cfg.loss, cfg.data.image_size
+    factor = 2 ** m.num_downsamples
+    if m.arch == "vqgan":  # the image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups
+        if not m.ch_mult:
+            raise ConfigError("config key 'model.ch_mult': expected at least one multiplier, got []")
+        factor = 2 ** (len(m.ch_mult) - 1)
+        if size % factor:
+            raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the VQGAN encoder "
+                              f"halves the image len(model.ch_mult) - 1 = {len(m.ch_mult) - 1} times), got {size}")
+        bad = [m.ch * k for k in m.ch_mult if (m.ch * k) % m.norm_groups]
+        if bad or m.z_channels < 1:
+            raise ConfigError(f"config key 'model.norm_groups': expected every block width model.ch x model.ch_mult "
+                              f"to be a multiple of {m.norm_groups} (GroupNorm), got widths {bad}")
     elif size % factor:
         lower, upper = size // factor * factor, (size // factor + 1) * factor
         halvings = (size & -size).bit_length() - 1  # how often size itself can be halved
         hint = (f"e.g. {lower} or {upper}" if lower else
                 f"e.g. {upper}, or model.num_downsamples={halvings} or fewer for {size}-pixel images")
         raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the model halves the "
-                          f"image model.num_downsamples={cfg.model.num_downsamples} times), got {size}; {hint}")
-    _validate_loss(cfg)
+                          f"image model.num_downsamples={m.num_downsamples} times), got {size}; {hint}")
+    if lc.disc_lr is not None and not lc.disc_lr > 0:
+        raise ConfigError(f"config key 'loss.disc_lr': expected a value > 0 (or null for train.lr), got {lc.disc_lr!r}")
+    if lc.disc_weight > 0 and size < 3 * 2 ** lc.disc_layers:
+        raise ConfigError(f"config key 'loss.disc_layers': a {lc.disc_layers}-layer PatchGAN needs images of at "
+                          f"least {3 * 2 ** lc.disc_layers}px, got data.image_size={size}; lower loss.disc_layers")
     if cfg.data.augment != "none" and cfg.data.name != "image_folder":
         raise ConfigError(f"config key 'data.augment': {cfg.data.augment!r} is for data.name image_folder, got "
                           f"{cfg.data.name!r}; use data.augment=none")
@@ -284,32 +298,6 @@ def validate_training(cfg: Config) -> None:
                               f"blocks work at {levels} pixels for data.image_size={cfg.data.image_size} and "
                               f"model.ch_mult={list(m.ch_mult)}), so no attention would be added there; list some "
                               "of those, or [] for attention only in the middle block")
-
-
-def _validate_vqgan(cfg: Config) -> None:
-    """model.arch vqgan: image size a multiple of 2**(len(ch_mult) - 1), channels divisible by the groups."""
-    m, size = cfg.model, cfg.data.image_size
-    if not m.ch_mult:
-        raise ConfigError("config key 'model.ch_mult': expected at least one multiplier, got []")
-    factor = 2 ** (len(m.ch_mult) - 1)
-    if size % factor:
-        raise ConfigError(f"config key 'data.image_size': expected a multiple of {factor} (the VQGAN encoder halves "
-                          f"the image len(model.ch_mult) - 1 = {len(m.ch_mult) - 1} times), got {size}")
-    bad = [m.ch * k for k in m.ch_mult if (m.ch * k) % m.norm_groups]
-    if bad or m.z_channels < 1:
-        raise ConfigError(f"config key 'model.norm_groups': expected every block width model.ch x model.ch_mult "
-                          f"to be a multiple of {m.norm_groups} (GroupNorm), got widths {bad}")
-
-
-def _validate_loss(cfg: Config) -> None:
-    lc = cfg.loss
-    if lc.disc_lr is not None and not lc.disc_lr > 0:
-        raise ConfigError(f"config key 'loss.disc_lr': expected a value > 0 (or null for train.lr), got {lc.disc_lr!r}")
-    if lc.disc_weight > 0:
-        need = 3 * 2 ** lc.disc_layers
-        if cfg.data.image_size < need:
-            raise ConfigError(f"config key 'loss.disc_layers': a {lc.disc_layers}-layer PatchGAN needs images of at "
-                              f"least {need}px, got data.image_size={cfg.data.image_size}; lower loss.disc_layers")
 
 
 def _unknown_key(key: str) -> ConfigError:

@@ -61,9 +61,10 @@ def as_maps(indices: np.ndarray, grid: Optional[Tuple[int, int]] = None,
                              + ("; pass --shape H W for another grid" if shape is None else "")) from None
 
 
-def check_indices(indices: np.ndarray, num_codes: int, latent_shape: Optional[tuple] = None) -> np.ndarray:
-    """(N, h, w) integer indices in [0, K) (layouts as :func:`as_maps`), or a UserError saying what is wrong."""
-    indices = as_maps(indices, latent_shape)
+def check_indices(indices: np.ndarray, num_codes: int, latent_shape: Optional[tuple] = None,
+                  shape: Optional[Tuple[int, int]] = None) -> np.ndarray:
+    """(N, h, w) integer indices in [0, K) (layouts, grid and ``shape`` as :func:`as_maps`), or a UserError."""
+    indices = as_maps(indices, latent_shape, shape)
     if 0 in indices.shape[1:]:
         raise TokenFileError(f"expected index maps of at least 1x1 codes, got maps of {indices.shape[1]}x"
                              f"{indices.shape[2]} (shape {tuple(indices.shape)})")
@@ -97,8 +98,7 @@ def check_metadata(metadata: dict, model, tokens, source) -> Optional[str]:
 def decode_indices(model, indices: np.ndarray, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
                    shape: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """(N, h, w) integer indices (or flat (N, h·w) sequences) -> (N, C, H, W) images in [0, 1] from the hard codes."""
-    indices = as_maps(np.asarray(indices), model.latent_shape() if hasattr(model, "latent_shape") else None, shape)
-    indices = check_indices(indices, model.quantizer.num_codes)
+    indices = check_indices(np.asarray(indices), model.quantizer.num_codes, model.latent_shape(), shape)
     chunks = (torch.from_numpy(indices[i:i + batch_size].astype(np.int64)).to(device)
               for i in range(0, len(indices), batch_size))
     out = [model.decode_indices(chunk).float().clamp(0, 1).cpu() for chunk in chunks]
@@ -119,7 +119,7 @@ def decode_file(model_source: str | Path, tokens: str | Path, out: str | Path, s
     model = load_model(model_source)
     notes = [check_metadata(metadata, model, tokens, model_source)]
     grid = model.latent_shape()
-    indices = check_indices(as_maps(indices, grid, tuple(shape) if shape else None), model.quantizer.num_codes)
+    indices = check_indices(indices, model.quantizer.num_codes, grid, tuple(shape) if shape else None)
     if grid is not None and tuple(indices.shape[1:]) != tuple(grid):
         notes.append(f"the maps are {indices.shape[1]}x{indices.shape[2]} codes, the model was trained on "
                      f"{grid[0]}x{grid[1]}: decoding them anyway (a convolutional decoder takes any grid)")

@@ -81,16 +81,14 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
         q = model.quantizer(z)
         usage.update(q.indices, q.soft_counts)
         hard = model.decoder(_hard_codes(model.quantizer, q.indices)).float().clamp(0, 1)
-        mse_img = (hard - x).pow(2).flatten(1).mean(1).double()
-        sums[0] += mse_img.sum()
-        sums[1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
         soft = None
         if has_soft:
             soft_z = q.soft_codes if q.soft_codes is not None else model.quantizer.soft_codes(z)  # DDCL: one pass
             soft = model.decoder(soft_z).float().clamp(0, 1)
-            mse_soft = (soft - x).pow(2).flatten(1).mean(1).double()
-            sums[2] += mse_soft.sum()
-            sums[3] += (10 * torch.log10(1.0 / mse_soft.clamp_min(1e-10))).sum()
+        for i, rec in enumerate([hard, soft] if has_soft else [hard]):  # hard: sums 0, 1; soft: 2, 3
+            mse_img = (rec - x).pow(2).flatten(1).mean(1).double()
+            sums[2 * i] += mse_img.sum()
+            sums[2 * i + 1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
         sums[4] += x.shape[0]
         if on_batch is not None:
             on_batch(x, hard, soft)
@@ -110,15 +108,23 @@ class EvaluateError(UserError, RuntimeError):
 
 def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.device | str = "cpu"):
     """-> (cfg, model in eval mode on ``device``, checkpoint step, checkpoint path); the quantizer's state (DDCL's τ
-    included) comes from the checkpoint."""
+    included) comes from the checkpoint. EvaluateError when an override changes a setting of the trained model (model.*,
+    quantizer.*)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise EvaluateError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "config.yaml").is_file():
         raise EvaluateError(f"run directory {str(run_dir)!r} has no config.yaml (was it written by ddcl-vq train?)")
     cfg = load_config(run_dir / "config.yaml", overrides, saved=True)
-    if overrides:
-        check_overrides(run_dir, load_config(run_dir / "config.yaml", saved=True), cfg)
+    fixed = [(k, a, b) for k, a, b in differences(load_config(run_dir / "config.yaml", saved=True), cfg)
+             if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"] if overrides else []
+    if fixed:
+        changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
+        why = (" — the temperature comes from the schedule saved in the checkpoint"
+               if any(k.startswith("quantizer.temperature") for k, _, _ in fixed) else "")
+        raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
+                            f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
+                            "quantizer.implementation; to measure other settings, train a run with them")
     found = latest_checkpoint(run_dir / "checkpoints", map_location="cpu")
     if found is None:
         raise EvaluateError(f"run directory {str(run_dir)!r} has no checkpoint (expected "
@@ -135,19 +141,6 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
 
 #: the training's last usage figures (RecentUsage, saved with the checkpoint) that eval.json's codebook block repeats
 TRAINING_USAGE_KEYS = ("queue_utilization", "queue_indices", "queue_ceiling", "batch_utilization", "batch_ceiling")
-
-
-def check_overrides(run_dir: Path, trained, asked) -> None:
-    """EvaluateError when an override changes a setting of the trained model (model.*, quantizer.*)."""
-    fixed = [(k, a, b) for k, a, b in differences(trained, asked)
-             if k.startswith(("model.", "quantizer.")) and k != "quantizer.implementation"]
-    if fixed:
-        changes = ", ".join(f"{k}={b!r} (trained with {a!r})" for k, a, b in fixed)
-        why = (" — the temperature comes from the schedule saved in the checkpoint"
-               if any(k.startswith("quantizer.temperature") for k, _, _ in fixed) else "")
-        raise EvaluateError(f"{str(run_dir)!r}: evaluate measures the model as trained; overrides cannot change its "
-                            f"settings: {changes}{why}. Overrides may change data.*, train.* (e.g. train.device) and "
-                            "quantizer.implementation; to measure other settings, train a run with them")
 
 
 def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str = "test") -> Optional[str]:
@@ -169,11 +162,8 @@ def heldout_tag(run_dir: str | Path, overrides: Sequence[str] = (), split: str =
 
 def file_digest(path: str | Path) -> str:
     """sha256 of a file's bytes (an evaluation's freshness is by its checkpoint's content, not by file times)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, batch_size: int = EVAL_BATCH_SIZE,
@@ -212,7 +202,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "made_by": made_by, "dataset": cfg.data.name,
         **({"photos": list(cfg.data.train_photos if split == "train" else cfg.data.test_photos)}
            if cfg.data.name == "natural_patches" else {}),
-        "trained_on": load_run_dataset(run_dir),  # differs from dataset for a held-out evaluation
+        # the data.name the run was trained on (its config.yaml without overrides): differs for a held-out evaluation
+        "trained_on": load_config(run_dir / "config.yaml", saved=True).data.name,
         "split": split, "num_images": result["num_images"], "max_images": max_images,
         "overrides": list(overrides),  # with step, checkpoint, split, max_images: what compare reuses it for
         "latent_positions_per_image": latent_positions,
@@ -232,14 +223,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "definitions": definitions(),
     }
     if write and rank() == 0:
-        tag = heldout_tag(run_dir, overrides, split)
-        write_eval(run_dir, out, None if tag is None else eval_path(run_dir, tag=tag))
+        write_eval(run_dir, out, eval_path(run_dir, tag=heldout_tag(run_dir, overrides, split)))
     return out
-
-
-def load_run_dataset(run_dir: str | Path) -> str:
-    """The data.name the run was trained on (its config.yaml without overrides)."""
-    return load_config(Path(run_dir) / "config.yaml", saved=True).data.name
 
 
 def eval_path(run_dir: str | Path, out: Optional[str | Path] = None, tag: Optional[str] = None) -> Path:

@@ -36,6 +36,7 @@ from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.common.data import build_dataset, image_channels
 from ddcl_vq.common.errors import UserError, entry_point, one_line
 from ddcl_vq.tokenizer.evaluate import load_run
+from ddcl_vq.tokenizer.tokens import run_data
 
 
 class ExportError(UserError, RuntimeError):
@@ -60,16 +61,6 @@ def check_out_dir(run_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{str(out_dir)!r} is not empty; pass --overwrite to replace an earlier export there")
     if out_dir.resolve() == run_dir.resolve():
         raise ExportError("OUT_DIR must not be the run directory")
-
-
-def staging_folder(out_dir: Path) -> Path:
-    """A new hidden folder beside ``out_dir`` to write and check an export in."""
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
-    except OSError as err:
-        raise ExportError(f"OUT_DIR {str(out_dir)!r} cannot be written ({err.strerror or err}); nothing was "
-                          "written") from None
 
 
 def move_into_place(staging: Path, out_dir: Path, files: Sequence[str], overwrite: bool) -> None:
@@ -107,10 +98,15 @@ def check_inputs(model, cfg) -> torch.Tensor:
         return torch.rand(16, image_channels(cfg.data), size, size, generator=torch.Generator().manual_seed(0))
 
 
-def write_checked(out_dir: Path, overwrite: bool, files: Sequence[str], write) -> None:
-    """``write(staging)`` (which checks what it wrote), then the files moved into ``out_dir``; a failure leaves
-    OUT_DIR as it was."""
-    staging = staging_folder(out_dir)
+def write_checked(out_dir: Path, overwrite: bool, files: Sequence[str], write) -> Dict[str, int]:
+    """``write(staging)`` (which checks what it wrote) in a new hidden folder beside ``out_dir``, then the files moved
+    into ``out_dir``; a failure leaves OUT_DIR as it was. -> {file name: size in bytes}."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    except OSError as err:
+        raise ExportError(f"OUT_DIR {str(out_dir)!r} cannot be written ({err.strerror or err}); nothing was "
+                          "written") from None
     try:
         write(staging)
         move_into_place(staging, out_dir, files, overwrite)  # 0755 / 0644 under the usual umask
@@ -120,6 +116,7 @@ def write_checked(out_dir: Path, overwrite: bool, files: Sequence[str], write) -
                           "there") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return {name: (out_dir / name).stat().st_size for name in files}
 
 
 # ----------------------------------------------------------------------------- --format diffusers
@@ -133,14 +130,6 @@ TIE_RTOL = 1e-5
 NOT_NEAREST = {"fsq": "it rounds a projection of the feature to a grid", "lfq": "it takes the signs of a projection",
                "ibq": "quantizer.logits=dot: it takes the row of largest dot product with the feature, not the "
                       "nearest one"}
-
-
-def to_vqmodel(model):
-    """A ``diffusers.VQModel`` (eval mode) holding the weights and hard codebook of a VQGAN ``model``."""
-    from diffusers import VQModel
-    vq = VQModel(**diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes))
-    vq.load_state_dict(diffusers_state_dict(model), strict=True)
-    return vq.eval()
 
 
 def decode_with_vqmodel(vq, indices: torch.Tensor) -> torch.Tensor:
@@ -158,8 +147,6 @@ def untied_disagreements(latents: torch.Tensor, codebook: torch.Tensor, ours: to
     cb = codebook.detach().double()
     o, t = ours.reshape(-1), theirs.reshape(-1)
     differ = o != t
-    if not bool(differ.any()):
-        return 0
     z, o, t = z[differ], o[differ], t[differ]
     d_ours, d_theirs = ((z - cb[o]) ** 2).sum(1), ((z - cb[t]) ** 2).sum(1)
     scale = (z ** 2).sum(1) + (cb[o] ** 2).sum(1) + (cb[t] ** 2).sum(1)
@@ -207,7 +194,9 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
     if not torch.equal(looked_up.float(), model.quantizer.codebook.detach().float()):
         raise ExportError(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
                           f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
-    vq, x, check = to_vqmodel(model), check_inputs(model, cfg), {}
+    vq = VQModel(**diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes))
+    vq.load_state_dict(diffusers_state_dict(model), strict=True)  # the run's weights and hard codebook
+    x, check = check_inputs(model, cfg), {}
 
     def write(staging: Path) -> None:
         vq.save_pretrained(str(staging), safe_serialization=True)
@@ -235,22 +224,9 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
         config = json.loads((staging / "config.json").read_text())
         (staging / "README.md").write_text(diffusers_card(config, source, check))
 
-    write_checked(out_dir, overwrite, EXPORT_FILES["diffusers"], write)  # 0644 files (diffusers writes 0600)
+    files = write_checked(out_dir, overwrite, EXPORT_FILES["diffusers"], write)  # 0644 files (diffusers writes 0600)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
-            "quantizer_type": cfg.quantizer.type, **check,
-            "files": {name: (out_dir / name).stat().st_size for name in EXPORT_FILES["diffusers"]}}
-
-
-def diffusers_report(done: Dict, out_dir: str, quiet: bool = False) -> Optional[str]:
-    if quiet:
-        return None
-    lines = [f"wrote {Path(out_dir) / name} ({size:,} bytes)" for name, size in done["files"].items()]
-    lines.append(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: "
-                 f"diffusers.VQModel.from_pretrained decodes the run's hard codes of {done['checked_images']} images "
-                 f"with max |difference| {done['max_abs_diff']:.3g} (tolerance {done['tolerance']:g}); its own "
-                 f"nearest-code search agrees on {done['index_agreement']:.2%} of codes")
-    lines.append(f"load it without ddcl-vq: from diffusers import VQModel; VQModel.from_pretrained({str(out_dir)!r})")
-    return "\n".join(lines)
+            "quantizer_type": cfg.quantizer.type, **check, "files": files}
 
 
 @dataclass(kw_only=True)
@@ -303,12 +279,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
     check_out_dir(run_dir, out_dir, overwrite)
-    factor = 2 ** (len(cfg.model.ch_mult) - 1 if cfg.model.arch == "vqgan" else cfg.model.num_downsamples)
     model.config.update({
         "source": {"name": cfg.run.name, "run": str(run_dir), "checkpoint": Path(ckpt).name, "step": step,
                    "train_steps": cfg.train.steps},
-        "data": {"name": cfg.data.name, "image_size": cfg.data.image_size, "channels": image_channels(cfg.data),
-                 "latent_size": cfg.data.image_size // factor, "seed": cfg.run.seed, "range": [0.0, 1.0]},
+        "data": run_data(cfg, model),
     })
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -325,10 +299,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
                 and torch.equal(model.encode_indices(x), loaded.encode_indices(x))):  # pragma: no cover - a bug
             raise RuntimeError(f"the export in {out_dir} does not reproduce the run's hard reconstructions")
 
-    write_checked(out_dir, overwrite, FILES, write)
+    files = write_checked(out_dir, overwrite, FILES, write)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
             "train_steps": cfg.train.steps, "quantizer_type": cfg.quantizer.type,
-            "checked_images": int(x.shape[0]), "files": {name: (out_dir / name).stat().st_size for name in FILES}}
+            "checked_images": int(x.shape[0]), "files": files}
 
 
 def push(out_dir: str | Path, repo_id: str, private: bool = False, files=FILES) -> str:
@@ -349,20 +323,25 @@ def push(out_dir: str | Path, repo_id: str, private: bool = False, files=FILES) 
 @entry_point("ddcl-vq export")
 def main(argv: Optional[List[str]] = None) -> int:
     opts = OPTIONS.parse(argv)
-    if opts.format == "diffusers":  # a VQGAN run as a plain diffusers.VQModel folder
-        text = diffusers_report(export_diffusers(opts.run_dir, opts.out_dir, opts.overwrite), opts.out_dir, opts.quiet)
-        if text:
-            print(text)
-    else:
-        done = export_run(opts.run_dir, opts.out_dir, opts.overwrite)
-        if done["step"] < done["train_steps"]:
-            print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
-                  f"stopped early): exported its checkpoint of step {done['step']}", file=sys.stderr)
-        if not opts.quiet:
-            for name, size in done["files"].items():
-                print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
-            print(f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked: from_pretrained "
-                  f"reproduces the hard reconstructions and indices of {done['checked_images']} images bit for bit")
+    diffusers = opts.format == "diffusers"  # a VQGAN run as a plain diffusers.VQModel folder
+    done = (export_diffusers if diffusers else export_run)(opts.run_dir, opts.out_dir, opts.overwrite)
+    if not diffusers and done["step"] < done["train_steps"]:
+        print(f"warning: {done['run']} is at step {done['step']} of {done['train_steps']} (still training, or "
+              f"stopped early): exported its checkpoint of step {done['step']}", file=sys.stderr)
+    if not opts.quiet:
+        for name, size in done["files"].items():
+            print(f"wrote {Path(opts.out_dir) / name} ({size:,} bytes)")
+        checked = f"step {done['step']} of {done['run']} ({Path(done['checkpoint']).name}); checked:"
+        if diffusers:
+            print(f"{checked} diffusers.VQModel.from_pretrained decodes the run's hard codes of "
+                  f"{done['checked_images']} images with max |difference| {done['max_abs_diff']:.3g} (tolerance "
+                  f"{done['tolerance']:g}); its own nearest-code search agrees on {done['index_agreement']:.2%} of "
+                  "codes")
+            print("load it without ddcl-vq: from diffusers import VQModel; "
+                  f"VQModel.from_pretrained({str(opts.out_dir)!r})")
+        else:
+            print(f"{checked} from_pretrained reproduces the hard reconstructions and indices of "
+                  f"{done['checked_images']} images bit for bit")
             if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
                 print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is "
                       "loaded")

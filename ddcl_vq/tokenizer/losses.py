@@ -213,14 +213,10 @@ class GANStep:
     def _synchronise(self) -> None:
         """Average the discriminator's gradients over the processes; its buffers (BatchNorm) from rank 0."""
         import torch.distributed as dist
-        grads = [p.grad for p in self.disc.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in self.disc.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
         for b in self.disc.buffers():
             dist.broadcast(b, 0)
 
@@ -241,8 +237,5 @@ class GANStep:
             if state:
                 raise ValueError("expected no discriminator state (loss.disc_weight is 0), got one")
             return
-        missing = [k for k in ("discriminator", "optimizer") if k not in state]
-        if missing:
-            raise KeyError(f"expected the discriminator's {', '.join(missing)} in the checkpoint")
         self.disc.load_state_dict(state["discriminator"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -6,7 +6,7 @@ import contextlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -32,10 +32,6 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.state + self.training + self.step
-
-    def parts(self) -> Dict[str, int]:
-        return {"parameters and buffers": self.state, "gradients and optimizer state": self.training,
-                "one step's codebook distances and statistics": self.step}
 
 
 def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1) -> Estimate:
@@ -111,7 +107,9 @@ def check_fits(cfg: Config, in_channels: int, device: torch.device, world: int =
     total = need.total * (world if device.type == "cpu" else 1)
     if free is None or total <= free:
         return need
-    biggest = max(need.parts().items(), key=lambda item: item[1])
+    parts = {"parameters and buffers": need.state, "gradients and optimizer state": need.training,
+             "one step's codebook distances and statistics": need.step}
+    biggest = max(parts.items(), key=lambda item: item[1])
     where = "the GPU has" if device.type == "cuda" else "this machine has"
     per = f" ({world} processes × {_gib(need.total)})" if total != need.total else ""
     raise NotEnoughMemory(

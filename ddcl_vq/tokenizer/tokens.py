@@ -32,7 +32,8 @@ from ddcl_vq.models import VQVAE
 
 from ddcl_vq.common.checkpoint import write_file
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
-from ddcl_vq.common.data import SPLITS, DataUnavailable, build_dataset, image_channels, resolve_workers
+from ddcl_vq.common.data import (SPLITS, DataUnavailable, SequentialBatches, build_dataset, image_channels, make_loader,
+                                 resolve_workers)
 from ddcl_vq.common.errors import Stopped, UserError, entry_point, one_line
 from ddcl_vq.common.progress import Progress
 from ddcl_vq.common.threads import set_threads, threads_option
@@ -134,14 +135,13 @@ def read_tokens(path: str | Path) -> Tuple[np.ndarray, Optional[np.ndarray], Dic
     if not path.is_file():
         raise TokenFileError(f"token file {str(path)!r} does not exist")
     from safetensors import SafetensorError, safe_open
-    from safetensors.numpy import load_file
     try:
         if path.suffix == ".npy":
             lp = labels_path(path)
             return _load_npy(path), (_load_npy(lp) if lp.is_file() else None), {}
         with safe_open(str(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, ValueError, EOFError, SafetensorError) as err:
         if isinstance(err, TokenFileError):
             raise
@@ -193,7 +193,7 @@ def _from_pretrained(source: str, where: str) -> VQVAE:
 
 
 def run_data(cfg, model) -> dict:
-    """``config["data"]`` of an export, for a model loaded from a run directory."""
+    """``config["data"]`` of an export (``ddcl-vq export`` writes it; a model loaded from a run directory gets it)."""
     channels = image_channels(cfg.data)
     with torch.no_grad():
         grid = model.encoder(torch.zeros(1, channels, cfg.data.image_size, cfg.data.image_size)).shape[-2:]
@@ -228,19 +228,18 @@ CONFIG_KEYS = {"quantizer_type": "quantizer.type", "quantizer_kwargs.num_codes":
 
 
 def _shape_differences(exported: Dict, built: Dict) -> List[str]:
-    """'config key: export X, this config Y' for every constructor size that differs."""
+    """'config key: export X, this config Y' for every constructor size that differs (the decoder's mirror the
+    encoder's)."""
     def flat(config: Dict) -> Dict:
-        out = {"quantizer_type": config.get("quantizer_type"), "arch": config.get("arch", "vqvae")}
-        for part in ("encoder_kwargs", "decoder_kwargs"):
-            out.update({f"{part}.{k}": v for k, v in (config.get(part) or {}).items()})
         q = config.get("quantizer_kwargs") or {}
-        return {**out, **{f"quantizer_kwargs.{k}": q.get(k) for k in ("num_codes", "dim")}}
+        return {"quantizer_type": config.get("quantizer_type"), "arch": config.get("arch", "vqvae"),
+                **{f"encoder_kwargs.{k}": v for k, v in (config.get("encoder_kwargs") or {}).items()},
+                **{f"quantizer_kwargs.{k}": q.get(k) for k in ("num_codes", "dim")}}
     a, b = flat(exported), flat(built)
     diffs: Dict[str, str] = {}
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
-            name = CONFIG_KEYS.get(key.replace("decoder_kwargs.out_channels", "encoder_kwargs.in_channels")) \
-                or "model." + key.split(".", 1)[-1]
+            name = CONFIG_KEYS.get(key) or "model." + key.split(".", 1)[-1]
             diffs.setdefault(name, f"{name}: export {a.get(key)!r}, this config {b.get(key)!r}")
     return list(diffs.values())
 
@@ -257,12 +256,8 @@ def init_from_export(model: nn.Module, source: str) -> None:
         raise ModelSourceError(f"{where}: no such folder here, and not a Hugging Face Hub id (user/name) either; give "
                                "the folder ddcl-vq export wrote, or its Hub id")
     read_as = " (not a folder here, so read as a Hugging Face Hub id)" if kind == "hub" else ""
-    try:
-        with torch.random.fork_rng(devices=[]):  # building it draws initial weights: not from the run's RNG stream
-            exported = VQVAE.from_pretrained(source)
-    except Exception as err:  # noqa: BLE001 - files, JSON, Hub: every failure is the user's to fix
-        raise ConfigError(f"{where}{read_as}: cannot load it as an exported model ({type(err).__name__}: "
-                          f"{one_line(err)[:300]})") from None
+    with torch.random.fork_rng(devices=[]):  # building it draws initial weights: not from the run's RNG stream
+        exported = _from_pretrained(source, where + read_as)
     state, own = exported.state_dict(), model.state_dict()
     misfit = sorted(k for k in set(state) | set(own)
                     if k not in state or k not in own or state[k].shape != own[k].shape)
@@ -280,11 +275,8 @@ def init_from_export(model: nn.Module, source: str) -> None:
 def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images: int = 0, device="cpu",
                    progress: bool = False, num_workers: int = 0):
     """-> (indices (N, h, w) numpy in ``index_dtype(K)``, labels (N,) int64, or None for a dataset without any)."""
-    from torch.utils.data import DataLoader, Subset
     n = len(dataset) if not max_images else min(max_images, len(dataset))
-    if n < len(dataset):
-        dataset = Subset(dataset, range(n))
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = make_loader(dataset, SequentialBatches(n, batch_size), num_workers, device)
     indices: Optional[np.ndarray] = None
     labels = np.empty(n, dtype=np.int64)
     bar = Progress(len(loader), "tokenize", unit="batch", every=max(len(loader) // 20, 1), off=not progress)
@@ -298,8 +290,6 @@ def encode_dataset(model, dataset, batch_size: int = EVAL_BATCH_SIZE, max_images
         start += len(codes)
         bar.update(1)
     bar.close()
-    if indices is None:
-        raise ValueError("expected a non-empty dataset")
     return indices, (labels if (labels >= 0).any() else None)
 
 

@@ -120,9 +120,7 @@ class RunLog:
         record = {"time": round(time.time() - self.t_start, 3), "wall": round(time.time(), 3),
                   "loss": loss.item(), "recon_mse": recon_loss.item(), "quantizer_loss": q.loss.item(),
                   "perplexity_batch": float(q.perplexity), "lr": optimizer.param_groups[0]["lr"]}
-        codebook_group = [g for g in optimizer.param_groups if g.get("name") == "codebook"]
-        if codebook_group:
-            record["codebook_lr"] = codebook_group[0]["lr"]
+        record.update({"codebook_lr": g["lr"] for g in optimizer.param_groups if g.get("name") == "codebook"})
         record.update({f"term_{k}": float(v) for k, v in q.terms.items()})
         record.update(self.model.quantizer.log_stats())
         if "revived" in record:

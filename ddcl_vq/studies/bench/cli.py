@@ -12,6 +12,7 @@ import torch
 
 from ddcl_vq.common.machine import load_average, machine_info
 from ddcl_vq.common.errors import entry_point
+from ddcl_vq.common.progress import fmt
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
 from ddcl_vq.studies.bench.steps import IMPLS, calibrate, plan_measurements
@@ -26,16 +27,12 @@ QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
 def format_table(rows: List[dict]) -> str:
     head = f"{'impl':<26} {'N':>6} {'D':>4} {'K':>6} {'ms':>10} {'peak MB':>9} {'x VQP':>7} {'% 6mm':>7}  note"
     lines = [head, "-" * len(head)]
-    for r in rows:
-        if r.get("ms") is None:
-            n, d, k = ("—" if r.get(key) is None else r[key] for key in ("N", "D", "K"))
-            lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {'—':>10} {'—':>9} {'':>7} {'':>7}  "
-                         f"skipped: {r.get('skipped', '')}")
-            continue
-        peak = "—" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+    for r in rows:  # a skipped row: '—' for what it lacks, and why it was skipped
+        n, d, k, ms, peak = (fmt(r.get(key), spec) for key, spec in (("N", ""), ("D", ""), ("K", ""), ("ms", ".1f"),
+                                                                     ("peak_mb", ".0f")))
         xv = "" if r.get("x_vqp") is None else f"{r['x_vqp']:.2f}"
         pm = "" if r.get("pct_matmul6") is None else f"{r['pct_matmul6']:.0f}%"
-        note = []
+        note = [f"skipped: {r.get('skipped', '')}"] if r.get("ms") is None else []
         if r.get("runs") == 1 and not r.get("warmup"):
             note.append("single cold run")
         elif r.get("probe") == "warmup":
@@ -53,8 +50,7 @@ def format_table(rows: List[dict]) -> str:
                         + (f", LPIPS {r['perceptual_net']}" if r.get("perceptual_net") else ""))
         if r.get("fallback"):
             note.append(f"model: {r['source']} ({r['fallback']})")
-        lines.append(f"{r['impl']:<26} {r['N']:>6} {r['D']:>4} {r['K']:>6} {r['ms']:>10.1f} {peak:>9} {xv:>7} {pm:>7}  "
-                     + "; ".join(note))
+        lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {ms:>10} {peak:>9} {xv:>7} {pm:>7}  " + "; ".join(note))
     return "\n".join(lines)
 
 
@@ -177,9 +173,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     t0 = time.perf_counter()
     meta = machine_info()
-    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, e2e=not args.no_e2e,
-                     e2e_repeats=31 if quick else 41, e2e_warmup=10, vqgan=not args.no_vqgan,
-                     vqgan_repeats=5 if quick else 11, vqgan_warmup=1 if quick else 2, progress=not args.no_progress,
+    rows = run_bench(shapes, impls, mem_budget=mem_budget, memory=args.memory, progress=not args.no_progress,
+                     e2e=None if args.no_e2e else dict(repeats=31 if quick else 41, warmup=10),
+                     vqgan=None if args.no_vqgan else dict(repeats=5 if quick else 11, warmup=1 if quick else 2),
                      device=device, **plan)
     prior_rows, prior_text = [], ""
     if not (args.no_prior or args.shapes):  # the prior's sampling speed
@@ -187,10 +183,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         prior_rows, prior_text = bench_prior(device, repeats=1 if quick else 3, no_cache=not quick)
     memory = rows[0]["memory_method"] if rows else args.memory
     meta.update(memory_method=memory, command="ddcl-vq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-                seconds=round(time.perf_counter() - t0, 1))
+                seconds=round(time.perf_counter() - t0, 1), device=device)
     if (end_load := load_average()) is not None:
         meta["loadavg_end"] = end_load
-    meta["device"] = device
     on = f"{meta['gpu']} (CUDA), host " if device == "cuda" else ""
     print(f"ddcl-vq bench — {on}{meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads, "
           f"torch {meta['torch']}, {meta['date']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}")

@@ -11,9 +11,11 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from ddcl_vq.fused import release_buffers
 from ddcl_vq.studies.bench.steps import (FLOOR_MATMULS, Plan, calibrate, e2e_rows, make_inputs, make_step,
-                                        plan_measurements, time_once)
+                                        plan_measurements, time_once, vqgan_rows)
 
 
 def _status_kb(field: str) -> Optional[int]:
@@ -36,14 +38,12 @@ class RssProbe:
 
     @staticmethod
     def available() -> bool:
-        if _status_kb("VmHWM") is None:
-            return False
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            return True
         except OSError:
             return False
+        return _status_kb("VmHWM") is not None
 
     def start(self) -> None:
         release_buffers()  # the fused path's held q buffer: a probed run counts it as its own
@@ -62,24 +62,22 @@ class CudaProbe:
     """Peak extra CUDA memory of a block of code, in MiB, above what was allocated at ``start``."""
 
     def __init__(self, device="cuda"):
-        import torch
-        self.torch, self.device, self.base = torch, torch.device(device), 0
+        self.device, self.base = torch.device(device), 0
 
     def start(self) -> None:
         release_buffers()  # the fused path's held q buffer: a probed run counts it as its own
         gc.collect()
-        self.torch.cuda.synchronize(self.device)
-        self.torch.cuda.reset_peak_memory_stats(self.device)
-        self.base = self.torch.cuda.memory_allocated(self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
 
     def stop(self) -> float:
-        self.torch.cuda.synchronize(self.device)
-        return max(0, self.torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
 
 
 def available_memory_bytes(device: str = "cpu") -> int:
     """Free memory on ``device`` (:func:`~ddcl_vq.tokenizer.memory.available_bytes`); 8 GiB when unknown."""
-    import torch
     from ddcl_vq.tokenizer.memory import available_bytes
     return available_bytes(torch.device(device)) or 8 << 30
 
@@ -111,19 +109,14 @@ def probe_main(name: str, n: int, d: int, k: int) -> int:
     return 0
 
 
-def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progress=None,
-              device: str = "cpu") -> List[dict]:
-    """Measure every runnable plan of one shape, round-robin, on ``device``; returns result rows.
-    ``memory``: "rss" (CPU), "cuda" (the CUDA allocator's peak), "subprocess" or "none"."""
+def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progress, device: str = "cpu") -> List[dict]:
+    """Measure every runnable plan of one shape, round-robin, on ``device``; returns result rows, updating the
+    ``progress`` bar per plan. ``memory``: "rss" (CPU), "cuda" (the CUDA allocator's peak), "subprocess" or "none"."""
     n, d, k = shape
-    rows = []
+    rows = [dict(impl=p.name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=p.skip, est_s=round(p.est_s, 2))
+            for p in plans if p.skip is not None]
+    progress.update(len(rows))
     live = [p for p in plans if p.skip is None]
-    for p in plans:
-        if p.skip is not None:
-            rows.append(dict(impl=p.name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=p.skip,
-                             est_s=round(p.est_s, 2)))
-            if progress is not None:
-                progress.update(1)
     if not live:
         return rows
     inp = make_inputs(n, d, k, device=device)
@@ -160,7 +153,7 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
         for p in live:
             if r < p.repeats:  # "timed": a single cold run, time and memory from the same run
                 times[p.name].append(call(p, probed and p.probe == "timed"))
-            if progress is not None and r == p.repeats - 1:
+            if r == p.repeats - 1:
                 progress.update(1)
     for p in live:
         ms = statistics.median(times[p.name]) * 1e3
@@ -169,8 +162,7 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
                          runs=len(times[p.name]), warmup=p.warmup, probe=p.probe, est_s=round(p.est_s, 2)))
     for name, msg in errors.items():
         rows.append(dict(impl=name, N=n, D=d, K=k, ms=None, peak_mb=None, skipped=f"error: {msg}"))
-        if progress is not None:
-            progress.update(1)
+        progress.update(1)
     steps.clear()  # the steps' closures and the inputs go before the next shape
     del inp
     gc.collect()
@@ -179,12 +171,11 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
-              memory: str = "rss", e2e: bool = False, e2e_repeats: int = 5, e2e_warmup: int = 2,
-              e2e_batch: int = 128, vqgan: bool = False, vqgan_repeats: int = 5,
-              vqgan_warmup: int = 2, vqgan_batch: int = 16, progress: bool = False,
+              memory: str = "rss", e2e: Optional[dict] = None, vqgan: Optional[dict] = None, progress: bool = False,
               calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu") -> List[dict]:
-    """Measure ``impls`` at ``shapes`` (and the VQ-VAE step with ``e2e``, the VQGAN-recipe step with ``vqgan``)
-    on ``device``; returns rows with ratios."""
+    """Measure ``impls`` at ``shapes`` on ``device``, then the VQ-VAE step (:func:`e2e_rows` with the keyword
+    arguments ``e2e``) and the VQGAN-recipe step (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with
+    ratios."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():
@@ -201,11 +192,10 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
         rows += run_shape(shape, [p for p in plans if p.shape == shape], memory, bar, device)
     bar.close()
     add_ratios(rows)
-    if e2e:
-        rows += e2e_rows(repeats=e2e_repeats, warmup=e2e_warmup, batch=e2e_batch, device=device)
-    if vqgan:
-        from ddcl_vq.studies.bench.steps import vqgan_rows
-        rows += vqgan_rows(repeats=vqgan_repeats, warmup=vqgan_warmup, batch=vqgan_batch, device=device)
+    if e2e is not None:
+        rows += e2e_rows(device=device, **e2e)
+    if vqgan is not None:
+        rows += vqgan_rows(device=device, **vqgan)
     for r in rows:
         r["memory_method"] = memory
         r["device"] = device

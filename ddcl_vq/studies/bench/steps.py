@@ -5,6 +5,7 @@ the six-matmul floor, and one VQ-VAE and one VQGAN-recipe training step (the loo
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 import warnings
@@ -17,9 +18,9 @@ import torch
 
 # ----------------------------------------------------------------------------- what each costs, the plan
 # name -> (label, cost model, matmuls of the floor); the cost model: (matmuls of N×D·D×K, other N×K work in
-# D=64-matmul equivalents, N×K float tensors alive at the peak)
+# D=64-matmul equivalents, N×K float tensors alive at the peak: matmul6's are its operands, made outside the probe)
 IMPLEMENTATIONS = {
-    "matmul6": ("six bare matmuls (floor of the full DDCL gradient)", (6.0, 0.0, 0.0), 6),
+    "matmul6": ("six bare matmuls (floor of the full DDCL gradient)", (6.0, 0.0, 2.0), 6),
     "ddcl-mstep": ("DDCL default: straight_through, M-step codebook", (3.0, 4.0, 1.0), 3),
     "ddcl-first": ("DDCL default on its first training batch: a fresh quantizer, k-means start included",
                    (4.0, 5.0, 1.0), 3),
@@ -43,11 +44,7 @@ def calibrate(device: str = "cpu") -> float:
     """Seconds per flop of a D=64 matmul on ``device`` (median of 5 runs of 4096×64 · 64×4096)."""
     a, b = torch.randn(4096, 64, device=device), torch.randn(64, 4096, device=device)
     out = torch.empty(4096, 4096, device=device)
-
-    def run():
-        torch.mm(a, b, out=out)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
+    run = synchronized(lambda: torch.mm(a, b, out=out), out.device)
     run()
     return statistics.median(time_once(run) for _ in range(5)) / (2 * 4096 * 64 * 4096)
 
@@ -68,8 +65,6 @@ def estimate(name: str, n: int, d: int, k: int, per_flop: float) -> Tuple[float,
     if name in ("ddcl-soft-fused", "ddcl-soft-chunked"):
         from ddcl_vq.blocks import chunk_rows
         extra += 2 * 4 * chunk_rows(n, k) * k * 4   # block buffers of two workers
-    if name == "matmul6":
-        extra += 2 * n * k * 4                # its N×K operands live outside the probe, but must fit
     return seconds, extra
 
 
@@ -89,25 +84,21 @@ def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[st
                       repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
                       cal: float, probe_warmup: bool = False) -> List[Plan]:
     plans = []
-    for shape in shapes:
-        for name in impls:
-            est_s, est_b = estimate(name, *shape, cal)
-            p = Plan(name, shape, est_s, est_b, warmup, repeats)
-            if est_b > mem_budget:
-                p.skip = f"memory: needs ~{est_b / 2**30:.1f} GiB, budget {mem_budget / 2**30:.1f} GiB"
-            elif est_s > max_seconds:
-                p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
-            else:
-                runs = max(1, int(budget_seconds // max(est_s, 1e-6)))
-                if probe_warmup and warmup > 0 and runs >= warmup + repeats:
-                    p.probe = "warmup"                     # quick: the last warm-up run is probed
-                elif runs >= warmup + repeats + 1:
-                    pass                                   # warm-up, a probed run, timed repeats
-                elif runs >= 2:                            # probe the warm-up run, time the rest
-                    p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
-                else:                                      # one cold run, timed and probed
-                    p.warmup, p.repeats, p.probe = 0, 1, "timed"
-            plans.append(p)
+    for shape, name in itertools.product(shapes, impls):
+        est_s, est_b = estimate(name, *shape, cal)
+        p = Plan(name, shape, est_s, est_b, warmup, repeats)  # as asked: warm-up, a probed run, timed repeats
+        runs = max(1, int(budget_seconds // max(est_s, 1e-6)))  # what the time budget allows
+        if est_b > mem_budget:
+            p.skip = f"memory: needs ~{est_b / 2**30:.1f} GiB, budget {mem_budget / 2**30:.1f} GiB"
+        elif est_s > max_seconds:
+            p.skip = f"time: one run ~{est_s:.0f} s > --max-seconds {max_seconds:g}"
+        elif probe_warmup and warmup > 0 and runs >= warmup + repeats:
+            p.probe = "warmup"                     # quick: the last warm-up run is probed
+        elif runs < 2:                             # one cold run, timed and probed
+            p.warmup, p.repeats, p.probe = 0, 1, "timed"
+        elif runs < warmup + repeats + 1:          # probe the warm-up run, time the rest
+            p.warmup, p.repeats, p.probe = 1, max(1, min(repeats, runs - 1)), "warmup"
+        plans.append(p)
     return plans
 
 
@@ -243,12 +234,8 @@ def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, device: str = 
 
     def make(t, model, opt, scheduler):
         model.to(device).train()
-        state = {"step": 0}
-
-        def step():
-            training_step(model, x, state["step"], opt, scheduler, t)
-            state["step"] += 1
-        return synchronized(step, torch.device(device))
+        steps = itertools.count()  # optimizer steps done before each call
+        return synchronized(lambda: training_step(model, x, next(steps), opt, scheduler, t), torch.device(device))
 
     times, cpu, faults = paired_times({label: make(*v) for label, v in models.items()}, repeats, warmup)
     n = batch * 8 * 8
@@ -273,9 +260,7 @@ def paired_times(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int
     for s in steps.values():
         for _ in range(warmup):
             s()
-    times: Dict[str, List[float]] = {label: [] for label in steps}
-    cpu: Dict[str, List[float]] = {label: [] for label in steps}
-    faults: Dict[str, List[int]] = {label: [] for label in steps}
+    times, cpu, faults = ({label: [] for label in steps} for _ in range(3))
     for r in range(repeats):
         order = list(steps) if r % 2 == 0 else list(steps)[::-1]   # alternate who goes first
         for label in order:
@@ -371,13 +356,12 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
 
     def make(label: str, cfg, model, optimizer, scheduler, gan, autocast, scaler):
         model.train()
-        state = {"step": cfg.loss.disc_start}       # the discriminator is on from here
+        steps = itertools.count(cfg.loss.disc_start)       # the discriminator is on from here
 
         def step():
-            _, _, out = training_step(model, x, state["step"], optimizer, scheduler, cfg.train, autocast=autocast,
+            _, _, out = training_step(model, x, next(steps), optimizer, scheduler, cfg.train, autocast=autocast,
                                       scaler=scaler, gan=gan)
             n_vectors[label] = out.quantizer.indices.numel()
-            state["step"] += 1
         return synchronized(step, torch.device(device))
 
     times, cpu, faults = paired_times({label: make(label, *setups[label]) for label, _ in VQGAN_ARMS}, repeats, warmup)

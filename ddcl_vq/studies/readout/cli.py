@@ -17,7 +17,7 @@ import torch
 from ddcl_vq.common.machine import describe_machine
 from ddcl_vq.readout import DEFAULT_PROTOTYPE_LR_RATIO, DEFAULT_TEMPERATURE
 from ddcl_vq.common.errors import entry_point
-from ddcl_vq.common.config import ConfigError, Options, Rules, option
+from ddcl_vq.common.config import Options, Rules, option
 
 from ddcl_vq import USAGE_DEFINITIONS
 from ddcl_vq.studies.readout.train import ARMS, load_patches, run_compressor, train_arm
@@ -84,59 +84,47 @@ OPTIONS = Options(
                 non_negative={"loss_weight", "prototype_lr_ratio"}))
 
 
-def parse_args(argv: Optional[List[str]]) -> ReadoutOptions:
-    opts = OPTIONS.parse(argv)
-    for name in ("arms", "windows"):
-        if not getattr(opts, name):
-            raise ConfigError(f"option --{name}: expected a non-empty comma list, got none")
-    return opts
+parse_args = OPTIONS.parse  # an empty --arms or --windows is refused there ("expected at least one value")
 
 
 ARM_TEXT = {"mean": "masked mean of the final tokens", "cls": "a learned class token prepended, its final state"}
 
 
 def plots(results: Dict, out: Path) -> List[str]:
+    """accuracy.png, ddcl_terms.png (with a DDCL arm) and compressor.png (with the compressor) -> their names."""
     from ddcl_vq.studies.plots import label, pyplot, save
-    plt = pyplot()
-    files = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in results["arms"].values():
-        steps = [c["step"] for c in arm["curve"]]
-        ax.plot(steps, [100 * c["test_accuracy"] for c in arm["curve"]], marker="o", label=arm["arm"])
-    label(ax, "training step", f"test accuracy (%), {results['config']['test_size']} images",
-          "Fashion-MNIST, patch transformer: readout arms", {})
-    save(fig, out / "accuracy.png", dpi=120)
-    files.append("accuracy.png")
-
     ddcl = [a for a in results["arms"].values() if a["readout"] == "ddcl"]
-    if ddcl:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for arm in ddcl:
-            steps = [r["step"] for r in arm["train_log"]]
-            for key, style in (("distortion", "-"), ("ols", "--"), ("variance", ":")):
-                ax.plot(steps, [r[key] for r in arm["train_log"]], style,
-                        label=f"{arm['arm']} {key}" if len(ddcl) > 1 else key)
-        ax.set_yscale("log")
-        label(ax, "training step", "sum over D, mean over tokens",
-              "DDCL readout: distortion = OLS + variance (train batches)", {"fontsize": 7})
-        save(fig, out / "ddcl_terms.png", dpi=120)
-        files.append("ddcl_terms.png")
-
     comp = results.get("compressor")
-    if comp:
-        st = comp["stages"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ratios = [s["cumulative_ratio"] for s in st]
-        ax.plot(ratios, [s["cumulative_error"] for s in st], "o-", label="HierarchicalCompressor (DDCL)")
-        ax.plot(ratios, [s["window_mean_cumulative_error"] for s in st], "s--", label="window mean pooling")
-        ax.set_xscale("log")
-        ax.minorticks_off()
-        ax.set_xticks(ratios)
-        ax.set_xticklabels([f"{r:.3g}" for r in ratios])
-        label(ax, "compression ratio (tokens in / summaries out)", "relative reconstruction error",
-              "compressor: error vs ratio (test tokens)", {}, which="both")
-        save(fig, out / "compressor.png", dpi=120)
-        files.append("compressor.png")
+    files = ["accuracy.png"] + (["ddcl_terms.png"] if ddcl else []) + (["compressor.png"] if comp else [])
+    for name in files:
+        fig, ax = pyplot().subplots(figsize=(6, 4))
+        if name == "accuracy.png":
+            for arm in results["arms"].values():
+                steps = [c["step"] for c in arm["curve"]]
+                ax.plot(steps, [100 * c["test_accuracy"] for c in arm["curve"]], marker="o", label=arm["arm"])
+            label(ax, "training step", f"test accuracy (%), {results['config']['test_size']} images",
+                  "Fashion-MNIST, patch transformer: readout arms", {})
+        elif name == "ddcl_terms.png":
+            for arm in ddcl:
+                steps = [r["step"] for r in arm["train_log"]]
+                for key, style in (("distortion", "-"), ("ols", "--"), ("variance", ":")):
+                    ax.plot(steps, [r[key] for r in arm["train_log"]], style,
+                            label=f"{arm['arm']} {key}" if len(ddcl) > 1 else key)
+            ax.set_yscale("log")
+            label(ax, "training step", "sum over D, mean over tokens",
+                  "DDCL readout: distortion = OLS + variance (train batches)", {"fontsize": 7})
+        else:
+            st = comp["stages"]
+            ratios = [s["cumulative_ratio"] for s in st]
+            ax.plot(ratios, [s["cumulative_error"] for s in st], "o-", label="HierarchicalCompressor (DDCL)")
+            ax.plot(ratios, [s["window_mean_cumulative_error"] for s in st], "s--", label="window mean pooling")
+            ax.set_xscale("log")
+            ax.minorticks_off()
+            ax.set_xticks(ratios)
+            ax.set_xticklabels([f"{r:.3g}" for r in ratios])
+            label(ax, "compression ratio (tokens in / summaries out)", "relative reconstruction error",
+                  "compressor: error vs ratio (test tokens)", {}, which="both")
+        save(fig, out / name, dpi=120)
     return files
 
 
@@ -227,11 +215,9 @@ def _run(args, argv: List[str], out: Path, show: bool) -> int:
         for s in results["compressor"]["stages"]:
             print(f"compressor stage {s['stage']}: ratio x{s['cumulative_ratio']:.2f}, error "
                   f"{s['cumulative_error']:.3f} (window mean {s['window_mean_cumulative_error']:.3f})", flush=True)
-    command = "ddcl-vq readout-study " + " ".join(shlex.quote(a) for a in argv)
     date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    results["meta"] = {"command": command.strip(), "date": date,
-                       "machine": describe_machine(), "python": platform.python_version(),
-                       "total_wall_s": time.perf_counter() - t_start}
+    results["meta"] = {"command": shlex.join(["ddcl-vq", "readout-study", *argv]), "date": date,
+                       "machine": describe_machine(), "python": platform.python_version()}
     results["plots"] = plots(results, out)
     results["meta"]["total_wall_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(results, indent=2))

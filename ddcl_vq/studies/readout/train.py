@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -69,68 +70,52 @@ def accuracy(model: PatchTransformer, tokens_u8: Tensor, labels: Tensor, batch: 
     return correct / len(labels), (usage.compute() if usage is not None else None)
 
 
-class _Order:
-    """The arm's data order: permutations from its own generator (the same for every arm); resumable."""
-
-    def __init__(self, n: int, batch_size: int, seed: int):
-        self.n, self.batch_size = n, batch_size
-        self.gen = torch.Generator().manual_seed(seed)
-        self.order, self.pos = torch.randperm(n, generator=self.gen), 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Tensor:
-        if self.pos + self.batch_size > len(self.order):
-            self.order, self.pos = torch.randperm(self.n, generator=self.gen), 0
-        idx = self.order[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return idx
-
-    def state_dict(self) -> Dict:
-        return {"gen": self.gen.get_state(), "order": self.order, "pos": self.pos}
-
-    def load_state_dict(self, state: Dict) -> None:
-        self.gen.set_state(state["gen"])
-        self.order, self.pos = state["order"], int(state["pos"])
+def batch_order(n: int, batch_size: int, seed: int, start: int) -> Iterator[Tensor]:
+    """The arm's data order (the same for every arm) from batch ``start`` on: per epoch a permutation of the ``n``
+    images cut into batches (a short last one dropped), every permutation drawn from one generator seeded ``seed``;
+    a resumed arm draws again those before ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = max(1, n // batch_size)
+    epoch, offset = divmod(start, per_epoch)
+    for _ in range(epoch):
+        torch.randperm(n, generator=gen)
+    while True:
+        order = torch.randperm(n, generator=gen)
+        for b in range(offset, per_epoch):
+            yield order[b * batch_size:(b + 1) * batch_size]
+        offset = 0
 
 
 class _Window:
     """Running means since the last log line, the identity's worst case and the training seconds; resumable."""
 
-    KEYS = ("ce", "acc", "distortion", "ols", "variance", "perplexity")
-
     def __init__(self):
-        self.values: Dict[str, List[float]] = {k: [] for k in self.KEYS}
+        self.values: Dict[str, List[float]] = defaultdict(list)
         self.identity_max, self.seconds = 0.0, 0.0
 
     def state_dict(self) -> Dict:
-        return {"values": {k: list(v) for k, v in self.values.items()}, "identity_max": self.identity_max,
-                "seconds": self.seconds}
+        return {"values": dict(self.values), "identity_max": self.identity_max, "seconds": self.seconds}
 
     def load_state_dict(self, state: Dict) -> None:
-        self.values = {k: [float(x) for x in v] for k, v in state["values"].items()}
+        self.values = defaultdict(list, state["values"])
         self.identity_max, self.seconds = float(state["identity_max"]), float(state["seconds"])
 
     def mean_record(self) -> Dict:
         record = {k: float(np.mean(v)) for k, v in self.values.items() if v}
-        self.values = {k: [] for k in self.KEYS}
+        self.values = defaultdict(list)
         return record
 
 
 def _arm_setup(name: str, args, n_tokens: int, token_dim: int):
     """-> (readout kind, the arm's DDCL settings, model, optimizer, schedule), the model built right after seeding."""
     kind, over = ARMS[name]
-    ddcl = {"temperature": over.get("temperature", args.temperature),
-            "prototype_lr_ratio": over.get("prototype_lr_ratio", args.prototype_lr_ratio),
-            "distortion_to_tokens": over.get("distortion_to_tokens", False),
-            "task_grad_to_prototypes": over.get("task_grad_to_prototypes", True),
-            "mode": over.get("mode", "straight_through"), "loss_weight": args.loss_weight}
+    ddcl = {"temperature": args.temperature, "prototype_lr_ratio": args.prototype_lr_ratio,
+            "distortion_to_tokens": False, "task_grad_to_prototypes": True, "mode": "straight_through",
+            "loss_weight": args.loss_weight, **over}
     torch.manual_seed(args.seed)
     model = PatchTransformer(kind, n_tokens, token_dim, args.dim, args.layers, args.heads, 10, args.num_prototypes,
-                             ddcl["temperature"], args.loss_weight, ddcl["distortion_to_tokens"],
-                             over.get("prototype_init", args.prototype_init), ddcl["task_grad_to_prototypes"],
-                             ddcl["mode"])
+                             ddcl["temperature"], args.loss_weight, ddcl["distortion_to_tokens"], args.prototype_init,
+                             ddcl["task_grad_to_prototypes"], ddcl["mode"])
     groups = [{"params": list(model.parameters()), "lr": args.lr}]
     if kind == "ddcl":
         import warnings
@@ -157,8 +142,8 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
             raise RunDirError(f"{str(run.dir)!r} holds the arm {name!r} trained with other settings ({changed}); "
                               "give another --out, or delete that folder")
         kind, ddcl, model, opt, scheduler = _arm_setup(name, args, xtr.shape[1], xtr.shape[2])
-        order, window = _Order(len(ytr), args.batch_size, args.seed), _Window()
-        run.keep(model=model, optimizer=opt, scheduler=scheduler, order=order, window=window)
+        window = _Window()
+        run.keep(model=model, optimizer=opt, scheduler=scheduler, window=window)
         step = run.resume(found, announce=False)
         found = None
         finished = run.dir / "summary.json"
@@ -169,7 +154,7 @@ def train_arm(name: str, args, train_data, test_data, out: Path, show_progress: 
         run.postfix = lambda record: ({"ce": f"{record['ce']:.3f}", "acc": f"{record['acc']:.3f}"}
                                       if "ce" in record else {})
         t0 = time.perf_counter()
-        for step, idx in run.steps(order, step):
+        for step, idx in run.steps(batch_order(len(ytr), args.batch_size, args.seed, step), step):
             x, y = to_float(xtr[idx]), ytr[idx]
             logits, out_ = model(x)
             ce = F.cross_entropy(logits, y)
@@ -215,17 +200,15 @@ def train_compressor(args, tokens: Tensor, show_progress: bool):
     gen = torch.Generator().manual_seed(args.seed)
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
-    batch = min(256, len(tokens))
-    first_loss = last_loss = None
+    batch, losses = min(256, len(tokens)), []
     for _ in tqdm(range(args.compressor_steps), desc="  compressor", disable=not show_progress, mininterval=1.0):
         idx = torch.randint(len(tokens), (batch,), generator=gen)
         out = comp(tokens[idx])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
-        last_loss = float(out.loss.detach())
-        first_loss = last_loss if first_loss is None else first_loss
-    return comp, first_loss, last_loss, time.perf_counter() - t0
+        losses.append(float(out.loss.detach()))
+    return comp, losses[0], losses[-1], time.perf_counter() - t0
 
 
 @torch.no_grad()
