@@ -151,7 +151,7 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
             torch.mm(q, w, out=out_nd)         # backward: dd·W
             torch.mm(q.t(), z, out=out_kd)     # backward: ddᵀ·Z
             torch.mm(q.t(), gr, out=out_kd)    # backward: Qᵀ·G
-        return step
+        return synchronized(step, device)
 
     from ddcl_vq import EMAVQ, DDCLQuantizer, HardVQ, IBQQuantizer, SimVQQuantizer, VQPQuantizer
     one = torch.ones((), device=device)
