@@ -111,8 +111,6 @@ class _Signals(SignalScope):
     """SIGTERM and SIGINT set a flag while the steps run; a second signal stops at once: :class:`Stopped` with
     ``again(signum)``, what was kept."""
 
-    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
-
     def __init__(self, world: int, again: Callable[[int], str]):
         self.caught: Optional[int] = None
         self.twice: Optional[int] = None
@@ -277,7 +275,7 @@ class TrainingRun:
 
     def _again(self, signum: int) -> str:
         """What a second signal says: what it stopped, and which checkpoint is kept."""
-        name = _Signals.NAMES.get(signum, f"signal {signum}")
+        name = signal.Signals(signum).name
         what = (f"while the checkpoint of step {self._writing} was being written (abandoned: not a partial file)"
                 if self._writing is not None else f"after step {self.step}")
         kept = (f"the checkpoint of step {self._kept} is kept ({self.dir / 'checkpoints' / 'last.pt'})"
@@ -285,10 +283,10 @@ class TrainingRun:
         return f"stopped at once by a second {name} {what}; {kept}; run the same command again to resume"
 
     def _stop(self, signum: int, step: int) -> None:
+        """Save (unless this step's checkpoint is saved), then leave :meth:`steps` (whose ``finally`` closes files)."""
         if self._saved_at != step:
             self.save(step)
-        self._close()
-        name = _Signals.NAMES.get(signum, f"signal {signum}")
+        name = signal.Signals(signum).name
         raise Stopped(f"stopped by {name} after step {step} of {self.total_steps}; checkpoint saved in "
                       f"{self.dir / 'checkpoints' / 'last.pt'}; run the same command again to resume", 128 + signum)
 
