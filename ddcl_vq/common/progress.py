@@ -68,7 +68,8 @@ class Progress:
             return
         due = self.n // self.every > self.last_line // self.every or self.n >= self.total > self.last_line
         if due and not self.off:
-            self.write_line()
+            self.last_line = self.n
+            print(self.line(), file=sys.stderr if self.stream is None else self.stream, flush=True)
 
     def line(self) -> str:
         elapsed = time.time() - self.t_start
@@ -83,10 +84,6 @@ class Progress:
         if self.postfix:
             parts.append(" ".join(f"{k}={v}" for k, v in self.postfix.items()))
         return "  ".join(parts)
-
-    def write_line(self) -> None:
-        self.last_line = self.n
-        print(self.line(), file=sys.stderr if self.stream is None else self.stream, flush=True)
 
     def write(self, text: str) -> None:
         """A line of output on stdout that leaves the bar whole (tqdm.write on a terminal)."""
