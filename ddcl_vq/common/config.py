@@ -143,7 +143,7 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     elif dataclasses.is_dataclass(annotation):
         if isinstance(value, dict):
             obj = annotation()
-            apply(obj, value, prefix=key + ".", name=name, candidates=[f"{key}.{k}" for k in keys_of(obj)])
+            apply(obj, value, prefix=key + ".", name=name)
             return obj
     else:  # pragma: no cover - schemas use only the types above
         return value
@@ -272,7 +272,7 @@ class Options:
         p = argparse.ArgumentParser(prog=self.prog, description=self.description, epilog=self.epilog,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         for name, f in self.fields.items():
-            meta = self.meta(name)
+            meta, default = self.meta(name), self._default(f)
             annotation, _ = _optional(self.hints[name])
             kwargs: Dict[str, Any] = {"help": self._help(name)}
             if meta.get("metavar"):
@@ -282,17 +282,13 @@ class Options:
             if meta.get("nargs") is not None:
                 kwargs["nargs"] = meta["nargs"]
             if meta.get("positional"):
-                default = self._default(f)
-                if default is not MISSING:
-                    kwargs["default"] = default
-                p.add_argument(name, **kwargs)
-                continue
-            if annotation is bool:
+                p.add_argument(name, **kwargs, **({} if default is MISSING else {"default": default}))
+            elif annotation is bool:
                 kwargs.pop("metavar", None)
                 p.add_argument(self.flag(name), dest=name, action="store_true", default=argparse.SUPPRESS, **kwargs)
             else:
-                required = self._default(f) is MISSING
-                p.add_argument(self.flag(name), dest=name, required=required, default=argparse.SUPPRESS, **kwargs)
+                p.add_argument(self.flag(name), dest=name, required=default is MISSING, default=argparse.SUPPRESS,
+                               **kwargs)
         # read (and removed from argv) by errors.entry_point; listed here so that --help shows it
         p.add_argument(DEBUG_FLAG, dest="_debug", action="store_true", default=argparse.SUPPRESS,
                        help="on an error, show the full traceback instead of one line")

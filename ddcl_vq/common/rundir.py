@@ -58,15 +58,13 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self.fd: Optional[int] = None
 
-    def _holder(self) -> str:
-        try:
-            text = self.path.read_text().strip()
-        except OSError:
-            text = ""
-        return text or "a process that did not write its PID yet"
-
     def _refuse(self) -> RunDirError:
-        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({self._holder()}); "
+        try:
+            holder = self.path.read_text().strip()
+        except OSError:
+            holder = ""
+        holder = holder or "a process that did not write its PID yet"
+        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({holder}); "
                            f"wait for it to end or stop it, or give this one another run.dir (lock file: "
                            f"{str(self.path)!r})")
 
@@ -192,6 +190,5 @@ def keep_logged_steps(metrics: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue  # a torn line (the kill cut it) or not a record
         kept.append(line if line.endswith("\n") else line + "\n")
-    if kept == lines:
-        return
-    atomic_write(metrics, lambda tmp: tmp.write_text("".join(kept)))
+    if kept != lines:
+        atomic_write(metrics, lambda tmp: tmp.write_text("".join(kept)))
