@@ -177,8 +177,7 @@ def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = 
 def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> None:
     """Check every leaf of ``obj`` against ``rules`` (None passes: it means "not set")."""
     for key, value in leaves(obj):
-        items = value if isinstance(value, list) else [value]
-        items = [v for v in items if v is not None]
+        items = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
         if key in rules.choices:
             bad = [v for v in items if v not in rules.choices[key]]
             if bad:

@@ -250,14 +250,6 @@ def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
     """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
     if split not in SPLITS:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
-    dataset = _build(data_cfg, split, seed)
-    if len(dataset) == 0:
-        where = f" under {str(Path(data_cfg.root) / split)!r}" if data_cfg.name == "image_folder" else ""
-        raise DataUnavailable(f"{data_cfg.name}: the {split} split has no images{where}")
-    return dataset
-
-
-def _build(data_cfg, split: str, seed: int) -> Dataset:
     name = data_cfg.name
     if name in ("fashion_mnist", "digits"):
         if data_cfg.image_size < 28:
@@ -265,25 +257,29 @@ def _build(data_cfg, split: str, seed: int) -> Dataset:
                               f"expected a size >= 28, got {data_cfg.image_size}")
         images, labels = (fashion_mnist_arrays(split, data_cfg.root, data_cfg.download) if name == "fashion_mnist"
                           else digits_arrays(split))
-        return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
-                                  data_cfg.image_size)
-    if name in ("mnist", "cifar10"):
-        return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
-    if name == "image_folder":
+        dataset = TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
+                                     data_cfg.image_size)
+    elif name in ("mnist", "cifar10"):
+        dataset = _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
+    elif name == "image_folder":
         folder = Path(data_cfg.root) / split
         if not folder.is_dir():
             raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
                                   f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
-        folder = ImageFiles(folder, data_cfg.image_size)
+        dataset = ImageFiles(folder, data_cfg.image_size)
         if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
-            return CropFlip(folder, data_cfg.image_size, seed)  # the test split: the centre crop
-        return folder
-    if name == "natural_patches":
-        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
-                               getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
-                               getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
-    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, digits, "
-                     f"got {name!r}")
+            dataset = CropFlip(dataset, data_cfg.image_size, seed)  # the test split: the centre crop
+    elif name == "natural_patches":
+        dataset = natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
+                                  getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
+                                  getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
+    else:
+        raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, "
+                         f"digits, got {name!r}")
+    if len(dataset) == 0:
+        where = f" under {str(Path(data_cfg.root) / split)!r}" if name == "image_folder" else ""
+        raise DataUnavailable(f"{name}: the {split} split has no images{where}")
+    return dataset
 
 
 #: digits: the first DIGITS_TRAIN of the 1,797 images are the train split, the other 500 the test split

@@ -20,20 +20,15 @@ from typing import Any, Callable, Dict, List, Optional
 DEBUG_FLAG = "--debug"
 
 
-def _worker_message(text: str) -> str:
-    """The original message of an exception that a DataLoader worker re-raised in the main process."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else text
-    head, sep, tail = last.partition(": ")
-    return tail if sep and " " not in head else last
-
-
 class UserError(Exception):
     """Something the user asked for cannot be done as asked; the message says what and why."""
 
     def __init__(self, *args) -> None:
         if len(args) == 1 and isinstance(args[0], str) and "\nOriginal Traceback" in args[0]:
-            args = (_worker_message(args[0]),)  # re-raised from a DataLoader worker: keep it one line
+            # re-raised from a DataLoader worker: keep it one line, the original message (its traceback's last line)
+            last = [line for line in args[0].strip().splitlines() if line.strip()][-1]
+            head, sep, tail = last.partition(": ")
+            args = (tail if sep and " " not in head else last,)
         super().__init__(*args)
 
 

@@ -180,7 +180,6 @@ class TrainingRun:
         self._close()  # the steps' files, also when a second signal stopped them at once
         if self._lock is not None:
             self._lock.release()
-            self._lock = None
         if exc_type is not None and not issubclass(exc_type, Stopped) and self._created is not None:
             remove_failed_start(self.dir, self._created)  # a run that never got going leaves no folder behind
 
