@@ -425,7 +425,6 @@ class CropFlip(Dataset):
 
     def __init__(self, base, image_size: int, seed: int = 0):
         self.base, self.image_size, self.seed = base, image_size, seed
-        self.samples = base.samples
 
     def __len__(self) -> int:
         return len(self.base)
@@ -433,7 +432,7 @@ class CropFlip(Dataset):
     def __getitem__(self, key):
         from torchvision.transforms import functional as TF
         epoch, i = key if isinstance(key, tuple) else (0, key)
-        path, label = self.samples[i]
+        path, label = self.base.samples[i]
         try:
             image = self.base.folder.loader(path)
             g = generator((self.seed * 1_000_003 + epoch) * 10_000_019 + i)

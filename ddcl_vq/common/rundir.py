@@ -151,19 +151,19 @@ def first_missing(path: Path) -> Optional[Path]:
 _SETUP_FILES = {"config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK_NAME}
 
 
-def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
+def remove_failed_start(run_dir: Path, created: Optional[Path]) -> None:
     """After a failed training: remove the run directory (and the parents it created) when this command created it
-    (``created``: :func:`first_missing`) and it holds nothing but set-up files; -> whether it did."""
+    (``created``: :func:`first_missing`) and it holds nothing but set-up files."""
     import shutil
     run_dir = Path(run_dir).absolute()
     if created is None or not run_dir.is_dir():
-        return False
+        return
     names = {p.name for p in run_dir.iterdir()}
     metrics = run_dir / "metrics.jsonl"
     if not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0):
-        return False
+        return
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        return False
+        return
     shutil.rmtree(run_dir, ignore_errors=True)
     folder = run_dir.parent
     while folder != created.parent and folder.is_dir():
@@ -172,7 +172,6 @@ def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
         except OSError:
             break
         folder = folder.parent
-    return not run_dir.exists()
 
 
 def keep_logged_steps(metrics: Path, step: int) -> None:
