@@ -151,10 +151,9 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
 
 
 def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = config_key,
-          candidates: Optional[Sequence[str]] = None, unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
+          candidates: Optional[Sequence[str]] = None) -> None:
     """Set the fields of dataclass ``obj`` from the mapping ``raw`` (nested mappings into nested
-    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s);
-    ``unknown``: the error for an unknown key, when it needs more than naming the nearest valid one."""
+    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s)."""
     if not isinstance(raw, dict):
         where = name(prefix.rstrip(".")) if prefix else "the settings"
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
@@ -164,12 +163,10 @@ def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = 
     for field_name, value in raw.items():
         key = prefix + str(field_name)
         if field_name not in names:
-            if unknown is not None:
-                raise unknown(key)
             raise ConfigError(f"unknown {name(key)}; {did_you_mean(key, candidates)}")
         current = getattr(obj, field_name)
         if dataclasses.is_dataclass(current):
-            apply(current, value, prefix=key + ".", name=name, candidates=candidates, unknown=unknown)
+            apply(current, value, prefix=key + ".", name=name, candidates=candidates)
         else:
             setattr(obj, field_name, coerce(key, value, hints[field_name], name))
 

@@ -159,11 +159,10 @@ def remove_failed_start(run_dir: Path, created: Optional[Path]) -> None:
     if created is None or not run_dir.is_dir():
         return
     names = {p.name for p in run_dir.iterdir()}
-    metrics = run_dir / "metrics.jsonl"
-    if not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0):
-        return
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        return
+    metrics, checkpoints = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    if (not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0)
+            or (checkpoints.is_dir() and any(checkpoints.iterdir()))):
+        return  # a run that got going: keep everything
     shutil.rmtree(run_dir, ignore_errors=True)
     folder = run_dir.parent
     while folder != created.parent and folder.is_dir():
