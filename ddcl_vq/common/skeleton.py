@@ -315,10 +315,9 @@ class TrainingRun:
         record = {"step": step, **record}
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
-        names = scalar_names or {}
         for key, value in record.items():
             if key not in ("step", "time", "wall") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(names.get(key, key), value, step)
+                self.writer.add_scalar((scalar_names or {}).get(key, key), value, step)
         if self.progress is not None:
             self.progress.set_postfix(**self.postfix(record))
 
