@@ -40,13 +40,8 @@ class MStepCodebook:
         all_reduce_sum_(totals)
         mean_nearest, variance = float(totals[0] / totals[2].clamp_min(1)), float(totals[1] / totals[2].clamp_min(1))
         self.distance_scale.fill_(mean_nearest if mean_nearest > 1e-6 * variance else max(0.01 * variance, 1e-12))
-        self._restart_statistics(x.shape[0])
-
-    @torch.no_grad()
-    def _restart_statistics(self, batch_vectors: int) -> None:
-        """M-step statistics consistent with the current codes: every code holds its uniform
-        share of a batch (over all processes) and sits at its own mean."""
-        share = batch_vectors * world_size() / self.num_codes
+        # M-step statistics consistent with the codes: each holds its uniform share of a batch, at its own mean
+        share = x.shape[0] * world_size() / self.num_codes
         self.cluster_mass.fill_(share)
         self.cluster_usage.fill_(share)
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])

@@ -67,7 +67,6 @@ class _Blocks:
         self.scale, self.support, self.split = scale, support, split
         self.center = codebook.mean(0)
         self.w = codebook - self.center
-        self.w_sq = self.w.pow(2).sum(1)
         self.w_t = (self.w * -2.0).t()   # the distance expansion's -2 in the product: the same bits (a power of two)
         self.w_norm = (self.w * self.w).sum(1)                # as squared_distances computes ‖w‖²
         self.indices = torch.empty(n, dtype=torch.long, device=z.device)
@@ -77,8 +76,8 @@ class _Blocks:
         self.totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
         self.soft_rows = torch.empty_like(z) if keep_soft else None
         width = min(rows, n)
-        self.x_buf, self.soft_buf, self.d_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1]), \
-            z.new_empty(width, k)
+        self.x_buf, self.soft_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1])
+        self.d_buf = z.new_empty(width, k)
         if support is None:
             self.l_buf, self.q_buf = z.new_empty(width, k), z.new_empty(width, k)
 
@@ -101,7 +100,7 @@ class _Blocks:
             self.totals[0] += torch.mul(q, d, out=self.l_buf[:m]).sum()
             soft = torch.mm(q, self.w, out=self.soft_buf[:m])
             self.totals[1] += (x - soft).pow(2).sum()
-            self.totals[2] += (q @ self.w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
+            self.totals[2] += (q @ self.w_norm - soft.pow(2).sum(1)).clamp_min(0).sum()
             self.keep(soft, start)
 
     def truncated(self, x: Tensor, d: Tensor, start: int) -> None:
@@ -118,7 +117,7 @@ class _Blocks:
             self.totals[0] += (q * d_top).sum()
             soft = torch.einsum("rs,rsd->rd", q, self.w[code])
             self.totals[1] += (x - soft).pow(2).sum()
-            self.totals[2] += ((q * self.w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
+            self.totals[2] += ((q * self.w_norm[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
             self.keep(soft, start)
 
     def keep(self, soft: Tensor, start: int) -> None:
