@@ -190,9 +190,8 @@ class DDCLReadout(nn.Module):
             assignments = x.new_zeros(b, t, k).index_put((mask,), a.q)
             indices = torch.full((b, t), -1, dtype=torch.long, device=tokens.device).index_put((mask,), a.indices)
             loss = self.loss_weight * terms.distortion / self.dim
-        out_dtype = tokens.dtype
         return ReadoutOutput(
-            pooled=pooled.to(out_dtype), soft=soft.to(out_dtype), assignments=assignments, indices=indices,
+            pooled=pooled.to(tokens.dtype), soft=soft.to(tokens.dtype), assignments=assignments, indices=indices,
             mask=mask, histogram=histogram, loss=loss, distortion=terms.distortion, ols=terms.ols,
             variance=terms.variance, soft_counts=a.soft_counts,
             perplexity=batch_perplexity(a.indices, k))
