@@ -210,7 +210,14 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         if self.training:
             self._update_statistics(x.detach(), stats)
         if self.mode == "straight_through":
-            out, loss, terms = self._straight_through(x, w, stats.indices)
+            hard = w[stats.indices]
+            out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
+            commitment = (x - hard).pow(2).sum(1).mean()
+            beta: Any = self.beta
+            if self.beta_final is not None and self.schedule_steps:  # on the device: no host sync per forward
+                progress = (self.schedule_step.to(commitment.dtype) / self.schedule_steps).clamp(max=1.0)
+                beta = self.beta + (self.beta_final - self.beta) * progress
+            loss, terms = beta * commitment / self.dim, {"commitment": commitment.detach()}
         else:
             a = self._assignment(x, w, scale)
             out = a.soft if self.mode == "soft" else w[a.indices] + (a.soft - a.soft.detach())
@@ -236,17 +243,6 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             return seen / self.warmup_steps
         self._warmup_over = True
         return 1.0
-
-    def _straight_through(self, x: Tensor, w: Tensor, indices: Tensor):
-        """``straight_through`` mode: the hard code's value, the identity gradient, the commitment loss."""
-        hard = w[indices]
-        out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
-        commitment = (x - hard).pow(2).sum(1).mean()
-        beta: Any = self.beta
-        if self.beta_final is not None and self.schedule_steps:  # on the device: no host sync per forward
-            progress = (self.schedule_step.to(commitment.dtype) / self.schedule_steps).clamp(max=1.0)
-            beta = self.beta + (self.beta_final - self.beta) * progress
-        return out, beta * commitment / self.dim, {"commitment": commitment.detach()}
 
     def soft_codes(self, z: Tensor) -> Tensor:
         """The soft codes ẑ in the input layout, whatever the mode (for soft-code evaluation)."""
