@@ -56,7 +56,10 @@ class _DDCLAdapter(nn.Module):
         return out
 
     @torch.no_grad()
-    def _load_codebook(self, codebook: Tensor) -> None:
-        """Make the DDCL codebook a copy of ``codebook`` (K, D): same values, device and dtype."""
+    def _adopt(self, old: nn.Module, codebook: Tensor) -> "_DDCLAdapter":
+        """This adapter in ``old``'s place: on ``codebook``'s device, the DDCL codebook a copy of ``codebook`` (K, D)
+        (same values and dtype), ``old``'s train/eval flag."""
+        self.to(device=codebook.device)
         # .data keeps the Parameter object, so a host-named alias (embedding.weight) stays the same tensor.
         self.ddcl.weight.data = codebook.detach().clone()
+        return self.train(old.training)

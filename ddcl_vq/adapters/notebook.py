@@ -52,9 +52,7 @@ class NotebookQuantizerAdapter(_DDCLAdapter):
         weight = old._embedding.weight
         kwargs = dict(ddcl_options)
         beta = kwargs.pop("beta", old._commitment_cost)
-        new = cls(int(old._num_embeddings), int(old._embedding_dim), beta, **kwargs).to(device=weight.device)
-        new._load_codebook(weight)
-        return new.train(old.training)
+        return cls(int(old._num_embeddings), int(old._embedding_dim), beta, **kwargs)._adopt(old, weight)
 
     def forward(self, inputs: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         if not isinstance(inputs, Tensor) or inputs.dim() != 4:

@@ -92,12 +92,10 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         unknown_index = getattr(old, "unknown_index", "random")
         if remap is not None and int(old.re_embed) > old.used.shape[0]:
             unknown_index = "extra"  # the host stores "extra" resolved to an index one past `used`
-        new = cls(int(old.n_e), e_dim, remap=remap, used=getattr(old, "used", None) if remap is not None else None,
-                  unknown_index=unknown_index, sane_index_shape=bool(getattr(old, "sane_index_shape", False)),
-                  legacy=bool(getattr(old, "legacy", True)), taming_v1_outputs=not hasattr(old, "legacy"),
-                  beta=beta, **kwargs).to(device=weight.device)
-        new._load_codebook(weight)
-        return new.train(old.training)
+        return cls(int(old.n_e), e_dim, remap=remap, used=getattr(old, "used", None) if remap is not None else None,
+                   unknown_index=unknown_index, sane_index_shape=bool(getattr(old, "sane_index_shape", False)),
+                   legacy=bool(getattr(old, "legacy", True)), taming_v1_outputs=not hasattr(old, "legacy"),
+                   beta=beta, **kwargs)._adopt(old, weight)
 
     def remap_to_used(self, inds: Tensor) -> Tensor:
         """(B, n) code indices -> (B, n) positions in ``used`` (unknown codes -> ``unknown_index``)."""

@@ -94,11 +94,10 @@ class VQPAdapter(_DDCLAdapter):
                   accept_3d_fmap=bool(getattr(old, "accept_3d_fmap", False)),
                   commitment_weight=beta,
                   return_zeros_for_masked_padding=bool(getattr(old, "return_zeros_for_masked_padding", True)),
-                  **options).to(device=codebook.device)
+                  **options)
         new.project_in = copy.deepcopy(old.project_in)
         new.project_out = copy.deepcopy(old.project_out)
-        new._load_codebook(codebook)
-        return new.train(old.training)
+        return new._adopt(old, codebook)
 
     def _channel_first(self, ndim: int) -> bool:
         return ndim > 2 and (self.accept_image_fmap or self.accept_3d_fmap or not self.channel_last)
