@@ -258,7 +258,7 @@ class HierarchicalCompressor(nn.Module):
                  distortion_to_tokens: bool = False, task_grad_to_prototypes: bool = True,
                  prototype_init: str = "kmeans"):
         super().__init__()
-        check_positive_int("dim", dim)
+        self.dim = check_positive_int("dim", dim)
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Iterable):
             raise ValueError(f"expected windows as a sequence of positive ints, got {windows!r}")
         windows = list(windows)
@@ -272,7 +272,6 @@ class HierarchicalCompressor(nn.Module):
             ks = list(num_prototypes)
             if len(ks) != len(windows):
                 raise ValueError(f"expected one num_prototypes per stage ({len(windows)}), got {len(ks)}")
-        self.dim = dim
         self.windows = windows
         self.stages = nn.ModuleList(
             DDCLReadout(dim, k, temperature=temperature, loss_weight=loss_weight,
@@ -286,7 +285,6 @@ class HierarchicalCompressor(nn.Module):
         # position of every original token in the current stage's sequence (for cumulative errors)
         pos = torch.arange(t0, device=tokens.device).expand(b, t0)
         levels, masks, stages, ratios, cum_ratios, errors, cum_errors = [], [], [], [], [], [], []
-        loss = tokens.new_zeros((), dtype=compute_dtype(tokens))
         n0 = mask.sum()
         for w, readout in zip(self.windows, self.stages):
             t = x.shape[1]
@@ -306,14 +304,14 @@ class HierarchicalCompressor(nn.Module):
                 cum_errors.append(_relative_error(tokens.detach(), recon0, mask))
                 ratios.append(m.sum().double() / new_m.sum().double())
                 cum_ratios.append(n0.double() / new_m.sum().double())
-            loss = loss + out.loss
             levels.append(summ)
             masks.append(new_m)
             stages.append(out)
             x, m = summ, new_m
         return CompressorOutput(summaries=x, mask=m, levels=levels, masks=masks, stages=stages,
                                 ratios=torch.stack(ratios), cumulative_ratios=torch.stack(cum_ratios),
-                                errors=torch.stack(errors), cumulative_errors=torch.stack(cum_errors), loss=loss)
+                                errors=torch.stack(errors), cumulative_errors=torch.stack(cum_errors),
+                                loss=sum(stage.loss for stage in stages))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, windows={self.windows}"
