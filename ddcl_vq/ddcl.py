@@ -235,13 +235,12 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         during the warm-up)."""
         if not bool(self.initialized) or float(self.distance_scale) == 0:
             self._initialize(x)
-        if self._warmup_over:
-            return 1.0
-        seen = int(self.warmup_batches)
-        if seen < self.warmup_steps:
-            self.warmup_batches.add_(1)
-            return seen / self.warmup_steps
-        self._warmup_over = True
+        if not self._warmup_over:
+            seen = int(self.warmup_batches)
+            if seen < self.warmup_steps:
+                self.warmup_batches.add_(1)
+                return seen / self.warmup_steps
+            self._warmup_over = True
         return 1.0
 
     def soft_codes(self, z: Tensor) -> Tensor:
