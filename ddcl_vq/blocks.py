@@ -36,9 +36,7 @@ def block_rows(device_type: str, num_rows: int, num_codes: int, *, itemsize: int
         return max(1, min(n, MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // k)))
     budget = DEVICE_BLOCK_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
     fit = max(1, int(budget) // (k * max(int(itemsize), 1) * max(int(live_tensors), 1)))
-    if fit >= n:
-        return n
-    blocks = -(-n // fit)
+    blocks = -(-n // fit)                               # 1 when the whole batch fits
     return -(-n // blocks)                              # equal blocks, each within the budget
 
 
