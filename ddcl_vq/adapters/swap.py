@@ -51,10 +51,7 @@ def adapter_for(module: nn.Module) -> Optional[type]:
     """The adapter class for a host quantizer module, or None when it is not one we recognise."""
     if isinstance(module, _ADAPTERS):
         return None
-    for matches, adapter in _FAMILIES:
-        if matches(module):
-            return adapter
-    return None
+    return next((adapter for matches, adapter in _FAMILIES if matches(module)), None)
 
 
 def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQuantizer], nn.Module]:

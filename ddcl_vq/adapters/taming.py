@@ -151,12 +151,9 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         """Indices -> codes: (B, C, H, W) with ``shape`` = (B, H, W, C), else ``indices.shape + (C,)``."""
         if self.remap is not None:
             indices = self.unmap_to_all(indices.reshape(shape[0], -1)).reshape(-1)
-        if shape is not None:
-            indices = indices.reshape(-1)
-        z_q = self.embedding(indices)
-        if shape is not None:
-            z_q = z_q.view(shape).permute(0, 3, 1, 2).contiguous()
-        return z_q
+        if shape is None:
+            return self.embedding(indices)
+        return self.embedding(indices.reshape(-1)).view(shape).permute(0, 3, 1, 2).contiguous()
 
     def extra_repr(self) -> str:
         return (f"n_e={self.n_e}, e_dim={self.e_dim}, sane_index_shape={self.sane_index_shape}, "
