@@ -52,8 +52,8 @@ class _DDCLAdapter(nn.Module):
 
     @torch.no_grad()
     def _adopt(self, old: nn.Module, codebook: Tensor) -> "_DDCLAdapter":
-        """This adapter in ``old``'s place: on ``codebook``'s device, the DDCL codebook a copy of ``codebook`` (K, D)
-        (same values and dtype), ``old``'s train/eval flag."""
+        """This adapter in ``old``'s place: on ``codebook``'s device, with a copy of ``codebook`` (K, D) (same
+        values and dtype) as the DDCL codebook, and ``old``'s train/eval flag."""
         self.to(device=codebook.device)
         # .data keeps the Parameter object, so a host-named alias (embedding.weight) stays the same tensor.
         self.ddcl.weight.data = codebook.detach().clone()
