@@ -175,7 +175,6 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         self._load_schedule(state_dict, prefix, unexpected_keys, error_msgs)
         self._warmup_over = self.warmup_steps == 0  # re-read the loaded position at the next forward
 
-    # ------------------------------------------------------------------ assignment
     @property
     def codebook(self) -> Tensor:
         return self.weight

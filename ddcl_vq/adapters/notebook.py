@@ -59,9 +59,8 @@ class NotebookQuantizerAdapter(_DDCLAdapter):
             got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
             raise ValueError(f"expected feature maps (B, C, H, W) with C={self._embedding_dim}, got {got}")
         out = self._run_ddcl(inputs)
-        flat = out.indices.reshape(-1)
-        encodings = torch.zeros(flat.shape[0], self._num_embeddings, device=inputs.device)
-        encodings.scatter_(1, flat[:, None], 1)
+        flat = out.indices.reshape(-1, 1)
+        encodings = torch.zeros(flat.shape[0], self._num_embeddings, device=inputs.device).scatter_(1, flat, 1)
         return out.loss, out.quantized, out.perplexity, encodings
 
     def extra_repr(self) -> str:
