@@ -88,10 +88,10 @@ class PriorData:
     def __init__(self, cfg):
         if not cfg.data.train_tokens:
             raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
-        self.tokenizer = tokenizer_info(cfg.data.tokenizer)
-        self.num_codes = self.tokenizer["num_codes"]
+        tokenizer = tokenizer_info(cfg.data.tokenizer)
+        self.num_codes, self.dataset = tokenizer["num_codes"], tokenizer["data"]
         self.train = load_tokens(cfg.data.train_tokens, self.num_codes, "training token file")
-        grid = self.tokenizer["grid"]
+        grid = tokenizer["grid"]
         if grid and self.train.grid != tuple(grid):
             raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
                                  f"the tokenizer {cfg.data.tokenizer!r} makes {grid[0]}x{grid[1]} ones")
@@ -113,14 +113,12 @@ class PriorData:
     def meta(self) -> Dict:
         return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,
                 "train_images": len(self.train.codes), "fingerprint": self.train.fingerprint(),
-                "dataset": self.tokenizer["data"].name if self.tokenizer.get("data") is not None else None,
-                "image_size": self.tokenizer["data"].image_size if self.tokenizer.get("data") is not None else None}
+                "dataset": getattr(self.dataset, "name", None), "image_size": getattr(self.dataset, "image_size", None)}
 
 
 def tokenizer_info(source: str | Path) -> Dict[str, Any]:
     """-> {source, num_codes (the loaded quantizer's), data (a DataConfig, or None), grid (h, w) or None} of a
     tokenizer: a run directory or an exported model folder."""
-    from ddcl_vq.tokenizer.config import DataConfig
     from ddcl_vq.tokenizer.tokens import load_source
     if not str(source).strip():
         raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
@@ -128,7 +126,14 @@ def tokenizer_info(source: str | Path) -> Dict[str, Any]:
         raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
                              "(config.json + model.safetensors)")
     model, cfg, _ = load_source(source)
+    return {"source": str(source), "num_codes": model.quantizer.num_codes, "data": tokenizer_dataset(model, cfg),
+            "grid": model.latent_shape()}
+
+
+def tokenizer_dataset(model, cfg) -> Any:
+    """The DataConfig a tokenizer (``load_source``'s model and config) was trained on, or None when not recorded."""
+    from ddcl_vq.tokenizer.config import DataConfig
+    if cfg is not None:
+        return cfg.data
     d = model.config.get("data") or {}
-    data = cfg.data if cfg is not None else \
-        DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d else None
-    return {"source": str(source), "num_codes": model.quantizer.num_codes, "data": data, "grid": model.latent_shape()}
+    return DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d else None

@@ -24,7 +24,7 @@ from torch import Tensor
 from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json
 from ddcl_vq.models.classifier import SmallClassifier
 from ddcl_vq.prior.classifier_train import ClassifierUnavailable, dataset_tensors, predict, train_classifier
-from ddcl_vq.prior.data import load_tokens, tokenizer_info
+from ddcl_vq.prior.data import load_tokens, tokenizer_dataset
 from ddcl_vq.prior.sampling import sample_codes, sample_labels
 from ddcl_vq.prior.train import load_prior, nll_bits
 
@@ -99,7 +99,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
     from ddcl_vq.common.data import build_dataset
     from ddcl_vq.tokenizer.decode import decode_indices, save_png
-    from ddcl_vq.tokenizer.tokens import load_model
+    from ddcl_vq.tokenizer.tokens import load_source
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
     result: Dict = {"prior": str(prior_dir), "step": meta["step"], "num_codes": model.num_codes,
@@ -114,7 +114,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         first_test = first_test or tokens
     result.update(nll=nll[0] if nll else None, nll_files=nll)
 
-    decoder = load_model(cfg.data.tokenizer, device)
+    decoder, tokenizer_cfg, _ = load_source(cfg.data.tokenizer, device=device)
     labels = sample_labels(model, samples)
     t0 = time.perf_counter()
     codes = sample_codes(model, samples, labels, temperature, top_k, seed, batch_size, device)
@@ -127,7 +127,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         shown = min(samples, 10 * max(model.num_classes, 8))
         save_png(images[:shown], prior_dir / "samples.png", model.num_classes or 8)
 
-    data_cfg = tokenizer_info(cfg.data.tokenizer)["data"]
+    data_cfg = tokenizer_dataset(decoder, tokenizer_cfg)
     result["frechet"], result["classifier"], result["class_accuracy"] = None, None, None
     try:
         if data_cfg is None:
