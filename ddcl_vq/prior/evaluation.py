@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json
 from ddcl_vq.models.classifier import SmallClassifier
-from ddcl_vq.prior.classifier_train import ClassifierUnavailable, dataset_tensors, predict, train_classifier
+from ddcl_vq.prior.classifier_train import ClassifierUnavailable, batched, dataset_tensors, train_classifier
 from ddcl_vq.prior.data import load_tokens, tokenizer_dataset
 from ddcl_vq.prior.sampling import sample_codes, sample_labels
 from ddcl_vq.prior.train import load_prior, nll_bits
@@ -70,12 +69,6 @@ def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int 
     info = {**info, **spec}
     save_checkpoint({"model": model.state_dict(), "step": steps, "info": info}, path)
     return model, {**info, "cache": str(path), "cached": False}
-
-
-@torch.no_grad()
-def features(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> np.ndarray:
-    return torch.cat([model.features(images[i:i + batch_size].to(device)).cpu()
-                      for i in range(0, len(images), batch_size)]).double().numpy()
 
 
 DEFINITIONS = """\
@@ -137,20 +130,23 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         result["frechet_unavailable"] = str(err)
     else:
         result["classifier"] = info
+
+        def features(x: Tensor) -> np.ndarray:
+            return batched(classifier.features, x, device).double().numpy()
         x_real, _ = dataset_tensors(build_dataset(data_cfg, "test", 0), real)
-        f_real = features(classifier, x_real, device=device)
-        fd = {"samples_vs_real": frechet_distance(features(classifier, images, device=device), f_real),
+        f_real = features(x_real)
+        fd = {"samples_vs_real": frechet_distance(features(images), f_real),
               "num_samples": samples, "num_real": len(x_real), "feature_space": "penultimate layer (128) of a small "
               f"CNN trained here on {data_cfg.name} (test accuracy {info['test_accuracy']:.1%})",
               "note": "not Inception FID; not comparable to published FIDs"}
         if first_test is not None:
             n = min(len(first_test.codes), len(x_real), samples)
             recon = decode_indices(decoder, first_test.codes[:n].numpy(), batch_size, device)
-            fd["reconstructions_vs_real"] = frechet_distance(features(classifier, recon, device=device), f_real)
+            fd["reconstructions_vs_real"] = frechet_distance(features(recon), f_real)
             fd["num_reconstructions"] = n
         result["frechet"] = fd
         if labels is not None:
-            pred = predict(classifier, images, device=device)
+            pred = batched(lambda x: classifier(x).argmax(1), images, device)
             per = {int(c): float((pred[labels == c] == c).float().mean()) for c in range(model.num_classes)
                    if (labels == c).any()}
             result["class_accuracy"] = {"mean": float((pred == labels).float().mean()), "per_class": per,
