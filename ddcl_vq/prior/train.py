@@ -234,7 +234,7 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
                    "steps_per_second": round((step - first) / seconds, 3) if seconds > 0 and step > first else None,
                    "parameters": sum(p.numel() for p in model.parameters()),
                    **{k: v for k, v in meta.items() if k != "fingerprint"}}
-        if step >= t.steps and test is not None:
+        if is_main and step >= t.steps and test is not None:  # the others' summaries are printed nowhere
             summary["test"] = last_test or nll_bits(model, test, max_images=t.eval_images, device=device)
             summary["test"]["file"] = test.path
         if is_main:
