@@ -50,16 +50,6 @@ def byte_size(n: float) -> str:
         n /= 1000
 
 
-def read_config_file(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a ValueError naming the file when it is not JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"expected {str(path)!r} to hold JSON (written by VQVAE.save_pretrained or ddcl-vq "
-                         f"export), got unreadable text ({err})") from None
-
-
 def _integer(value: Any, low: int = 1, high: float = math.inf) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -299,25 +289,21 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         model.config.setdefault("format", CONFIG_FORMAT)
         return model
 
-    def _pretrained_config(self) -> Dict[str, Any]:
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """config.json + model.safetensors (tensors only, the quantizer's buffers included)."""
+        from safetensors.torch import save_model
+
+        import ddcl_vq
+
         if self.config is None:
             raise ValueError("expected a VQVAE built with VQVAE.from_config (or loaded by from_pretrained or "
                              "ddcl-vq); one built from modules has no constructor arguments to save")
-        import ddcl_vq
-
         config = copy.deepcopy(self.config)
         config["quantizer_state"] = {k: v for k, v in self.quantizer.describe().items()
                                      if isinstance(v, (int, float, str, bool)) or v is None}
         if hasattr(self.quantizer, "schedule_step"):
             config["quantizer_state"]["schedule_step"] = int(self.quantizer.schedule_step)
         config["ddcl_vq_version"] = ddcl_vq.__version__
-        return config
-
-    def _save_pretrained(self, save_directory: Path) -> None:
-        """config.json + model.safetensors (tensors only, the quantizer's buffers included)."""
-        from safetensors.torch import save_model
-
-        config = self._pretrained_config()
         save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
         umask = os.umask(0)  # safetensors writes 0600: the weights get the permissions of any new file
         os.umask(umask)
@@ -336,7 +322,13 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                    if k in kwargs}
             config_file = hf_hub_download(repo_id=source, filename="config.json", **hub)
         if os.path.isfile(config_file):
-            check_config(read_config_file(config_file), repr(config_file))
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"expected {config_file!r} to hold JSON (written by VQVAE.save_pretrained or "
+                                 f"ddcl-vq export), got unreadable text ({err})") from None
+            check_config(config, repr(config_file))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
