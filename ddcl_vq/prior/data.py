@@ -88,10 +88,16 @@ class PriorData:
     def __init__(self, cfg):
         if not cfg.data.train_tokens:
             raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
-        tokenizer = tokenizer_info(cfg.data.tokenizer)
-        self.num_codes, self.dataset = tokenizer["num_codes"], tokenizer["data"]
+        if not cfg.data.tokenizer.strip():
+            raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
+        if not Path(cfg.data.tokenizer).is_dir():
+            raise PriorDataError(f"{cfg.data.tokenizer!r} is neither a run directory (config.yaml) nor an exported "
+                                 "model (config.json + model.safetensors)")
+        from ddcl_vq.tokenizer.tokens import load_source
+        tokenizer, tokenizer_cfg, _ = load_source(cfg.data.tokenizer)
+        self.num_codes, self.dataset = tokenizer.quantizer.num_codes, tokenizer_dataset(tokenizer, tokenizer_cfg)
         self.train = load_tokens(cfg.data.train_tokens, self.num_codes, "training token file")
-        grid = tokenizer["grid"]
+        grid = tokenizer.latent_shape()
         if grid and self.train.grid != tuple(grid):
             raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
                                  f"the tokenizer {cfg.data.tokenizer!r} makes {grid[0]}x{grid[1]} ones")
@@ -103,7 +109,6 @@ class PriorData:
             if tokens.grid != self.train.grid:
                 raise PriorDataError(f"test token file {path!r} holds {tokens.grid} code maps, the training tokens "
                                      f"{self.train.grid}")
-            # a test file without labels cannot be scored by a conditional prior
             if self.num_classes and (tokens.labels is None or int(tokens.labels.max()) >= self.num_classes):
                 raise PriorDataError(f"test token file {path!r}: a class-conditional prior needs its labels "
                                      f"in [0, {self.num_classes}) (set model.class_conditional=false for an "
@@ -114,20 +119,6 @@ class PriorData:
         return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,
                 "train_images": len(self.train.codes), "fingerprint": self.train.fingerprint(),
                 "dataset": getattr(self.dataset, "name", None), "image_size": getattr(self.dataset, "image_size", None)}
-
-
-def tokenizer_info(source: str | Path) -> Dict[str, Any]:
-    """-> {source, num_codes (the loaded quantizer's), data (a DataConfig, or None), grid (h, w) or None} of a
-    tokenizer: a run directory or an exported model folder."""
-    from ddcl_vq.tokenizer.tokens import load_source
-    if not str(source).strip():
-        raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
-    if not Path(source).is_dir():
-        raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
-                             "(config.json + model.safetensors)")
-    model, cfg, _ = load_source(source)
-    return {"source": str(source), "num_codes": model.quantizer.num_codes, "data": tokenizer_dataset(model, cfg),
-            "grid": model.latent_shape()}
 
 
 def tokenizer_dataset(model, cfg) -> Any:
