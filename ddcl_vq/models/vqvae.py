@@ -92,15 +92,15 @@ def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or n <= 0 or 8 + n > size:
                 raise ValueError("header cut off")
-            header = json.loads(f.read(n))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError):
         raise ValueError(f"expected {path!r} to be a safetensors weights file (written by VQVAE.save_pretrained "
                          f"or ddcl-vq export); it is truncated or not safetensors ({byte_size(size)})") from None
-    if 8 + n + max(ends, default=0) > size:
-        raise ValueError(f"{path!r} is truncated: its header lists {byte_size(max(ends))} of tensors, the file holds "
+    if 8 + n + end > size:
+        raise ValueError(f"{path!r} is truncated: its header lists {byte_size(end)} of tensors, the file holds "
                          f"{byte_size(size - 8 - n)} after the header")
-    return {k: v for k, v in header.items() if k != "__metadata__"}
+    return header
 
 
 def check_size(config: Dict[str, Any], header: Dict[str, Any], weights: str) -> None:
