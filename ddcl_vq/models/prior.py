@@ -92,7 +92,6 @@ class CodePrior(nn.Module):
             nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------------ inputs
-
     def _labels(self, labels: Optional[Tensor], batch: int, device) -> Tensor:
         if self.num_classes == 0:
             return torch.zeros(batch, dtype=torch.long, device=device)
@@ -137,7 +136,6 @@ class CodePrior(nn.Module):
         return self.ln_f(x)
 
     # ------------------------------------------------------------------ training
-
     def forward(self, codes: Tensor, labels: Optional[Tensor] = None) -> Tensor:
         """codes (B, h, w) or (B, L) -> logits (B, L, K); logits[:, t] predicts code t from code_<t."""
         codes = self.flatten(codes)
@@ -153,7 +151,6 @@ class CodePrior(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.num_codes), codes.reshape(-1))
 
     # ------------------------------------------------------------------ sampling
-
     @staticmethod
     def _pick(logits: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> Tensor:
         if temperature == 0:
