@@ -41,19 +41,14 @@ def available() -> dict:
     return out
 
 
-def usage(commands: dict) -> str:
-    width = max((len(n) for n in commands), default=8)
-    lines = ["usage: ddcl-vq COMMAND [ARGS ...]", "", "commands:"]
-    lines += [f"  {n.ljust(width)}  {t}" for n, (_, t) in commands.items()]
-    lines += ["", "ddcl-vq COMMAND --help explains each command."]
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available()
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage(commands))
+        width = max((len(n) for n in commands), default=8)
+        print("\n".join(["usage: ddcl-vq COMMAND [ARGS ...]", "", "commands:"]
+                        + [f"  {n.ljust(width)}  {t}" for n, (_, t) in commands.items()]
+                        + ["", "ddcl-vq COMMAND --help explains each command."]))
         return 0
     if argv[0] in ("-V", "--version"):
         import ddcl_vq
