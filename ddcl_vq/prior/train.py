@@ -251,7 +251,7 @@ def load_prior(prior_dir: str | Path, device="cpu") -> Tuple[PriorConfig, CodePr
     prior_dir = Path(prior_dir)
     if not prior_dir.is_dir():
         raise PriorLoadError(f"prior directory {str(prior_dir)!r} does not exist")
-    found = latest_checkpoint(prior_dir / "checkpoints") if (prior_dir / "checkpoints").is_dir() else None
+    found = latest_checkpoint(prior_dir / "checkpoints")
     if found is None:
         raise PriorLoadError(f"prior directory {str(prior_dir)!r} has no checkpoint (expected "
                              f"{str(prior_dir / 'checkpoints' / 'last.pt')!r}); train it with ddcl-vq prior train")
