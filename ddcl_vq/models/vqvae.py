@@ -22,8 +22,7 @@ from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, I
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
-                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer,
-                   "fvq": FVQQuantizer}
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 #: the keys every config.json holds
 REQUIRED = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
@@ -363,8 +362,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         """(h, w) of the code grid of the images the model was trained on, when its config records it
         (``config["data"]["latent_size"]``), else None."""
         size = ((self.config or {}).get("data") or {}).get("latent_size")
-        if isinstance(size, int) and size > 0:
-            return size, size
+        size = [size, size] if isinstance(size, int) else size
         if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
             return int(size[0]), int(size[1])
         return None
