@@ -64,9 +64,9 @@ def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
     if labels.shape[0] != count:
         raise PriorDataError(f"{where}: {labels.shape[0]} labels for {count} code maps")
     if labels.dtype.kind == "f":
-        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
-            bad = labels[~np.isfinite(labels) | (labels != np.round(labels))][0]
-            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad)!r} (a float label)")
+        bad = labels[~np.isfinite(labels) | (labels != np.round(labels))]
+        if len(bad):
+            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad[0])!r} (a float label)")
     elif labels.dtype.kind not in "iub":
         raise PriorDataError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
     labels = labels.astype(np.int64)
