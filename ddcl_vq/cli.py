@@ -5,6 +5,7 @@ offered, so ``--help`` never lists one that does not work.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -32,12 +33,9 @@ ROUTES = {("prior", "study"): "ddcl_vq.studies.prior_study"}
 def available() -> dict:
     out = {}
     for name, (module, text) in COMMANDS.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if found:
-            out[name] = (module, text)
+        with contextlib.suppress(ModuleNotFoundError):  # find_spec raises it when the module's package is missing
+            if importlib.util.find_spec(module) is not None:
+                out[name] = (module, text)
     return out
 
 
