@@ -35,8 +35,9 @@ class CausalSelfAttention(nn.Module):
                 past = cache["k"].shape[2]
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-        # several new positions after cached ones: causal with an offset (one new position attends to them all)
-        mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past) if past and t > 1 else None
+        mask = None  # several new positions after cached ones: causal with an offset (one new one sees them all)
+        if past and t > 1:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=past == 0 and t > 1)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
