@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import squared_distances
+from .base import compute_dtype, squared_distances
 from .blocks import block_rows
 from .fused import DDCLFunction
 
@@ -67,7 +67,22 @@ def assign(z: Tensor, codebook: Tensor, scale: float, *, implementation: str = "
     if codebook.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"expected a codebook without gradient on the {implementation} path (it differentiates z "
                          "only); use implementation='reference' to differentiate the codebook")
-    return _blocked(z, codebook, scale, implementation == "fused", chunk_size, memory_budget_bytes)
+    if z.dim() != 2 or codebook.dim() != 2 or z.shape[1] != codebook.shape[1]:
+        raise ValueError(f"expected z (N, D) and codebook (K, D), got {tuple(z.shape)} and {tuple(codebook.shape)}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+    dtype = compute_dtype(z)
+    with torch.autocast(device_type=z.device.type, enabled=False):
+        zz, ww = z.to(dtype), codebook.to(dtype)
+        if z.shape[0] == 0:  # nothing to block; the reference path gives the same empty results
+            a = _reference(zz, ww, scale)
+            a.ols, a.variance, a.q = a.ols.detach(), a.variance.detach(), None
+            return a
+        rows = block_rows(z.device.type, z.shape[0], codebook.shape[0], itemsize=zz.element_size(),
+                          memory_budget_bytes=memory_budget_bytes, chunk_size=chunk_size)
+        soft, dist, ols, var, indices, counts = DDCLFunction.apply(
+            zz.contiguous(), ww.contiguous(), float(scale), rows, implementation == "fused")
+    return Assignment(soft=soft, indices=indices, distortion=dist, ols=ols, variance=var, soft_counts=counts)
 
 
 def _reference(z: Tensor, codebook: Tensor, scale: float) -> Assignment:
@@ -84,23 +99,3 @@ def _reference(z: Tensor, codebook: Tensor, scale: float) -> Assignment:
     return Assignment(soft=soft_c + center, indices=d.argmin(1), distortion=distortion, ols=ols,
                       variance=variance, soft_counts=q.detach().sum(0), q=q)
 
-
-def _blocked(z: Tensor, codebook: Tensor, scale: float, store: bool, chunk_size: Optional[int],
-             memory_budget_bytes: Optional[int] = None) -> Assignment:
-    """The fused (``store``: keep the N×K assignments for backward) or chunked path."""
-    if z.dim() != 2 or codebook.dim() != 2 or z.shape[1] != codebook.shape[1]:
-        raise ValueError(f"expected z (N, D) and codebook (K, D), got {tuple(z.shape)} and {tuple(codebook.shape)}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
-    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=z.device.type, enabled=False):
-        zz, ww = z.to(dtype), codebook.to(dtype)
-        if z.shape[0] == 0:  # nothing to block; the reference path gives the same empty results
-            a = _reference(zz, ww, scale)
-            a.ols, a.variance, a.q = a.ols.detach(), a.variance.detach(), None
-            return a
-        rows = block_rows(z.device.type, z.shape[0], codebook.shape[0], itemsize=zz.element_size(),
-                          memory_budget_bytes=memory_budget_bytes, chunk_size=chunk_size)
-        soft, dist, ols, var, indices, counts = DDCLFunction.apply(
-            zz.contiguous(), ww.contiguous(), float(scale), rows, bool(store))
-    return Assignment(soft=soft, indices=indices, distortion=dist, ols=ols, variance=var, soft_counts=counts)

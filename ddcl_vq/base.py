@@ -144,12 +144,10 @@ class Quantizer(nn.Module):
 
     def __init__(self, num_codes: int, dim: int, channel_dim: int = 1):
         super().__init__()
-        check_positive_int("num_codes", num_codes)
-        check_positive_int("dim", dim)
+        self.num_codes = check_positive_int("num_codes", num_codes)
+        self.dim = check_positive_int("dim", dim)
         if channel_dim not in (1, -1):
             raise ValueError(f"expected channel_dim 1 (channel-first) or -1 (channel-last), got {channel_dim!r}")
-        self.num_codes = num_codes
-        self.dim = dim
         self.channel_dim = channel_dim
 
     @property
@@ -166,7 +164,7 @@ class Quantizer(nn.Module):
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
         if flat.shape[0] == 0:  # an empty batch: nothing to quantize, nothing learned
             return self.empty_output(flat, last_shape)
-        dtype = torch.float64 if self.keeps_float64 and flat.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(flat) if self.keeps_float64 else torch.float32
         with torch.autocast(device_type=z.device.type, enabled=False):
             out = self.quantize(flat.to(dtype))
         indices = out.indices.reshape(-1).long()

@@ -36,9 +36,7 @@ def block_rows(device_type: str, num_rows: int, num_codes: int, *, itemsize: int
         return max(1, min(n, MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // k)))
     budget = DEVICE_BLOCK_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
     fit = max(1, int(budget) // (k * max(int(itemsize), 1) * max(int(live_tensors), 1)))
-    if fit >= n:
-        return n
-    blocks = -(-n // fit)
+    blocks = -(-n // fit)                               # 1 when the whole batch fits
     return -(-n // blocks)                              # equal blocks, each within the budget
 
 
@@ -110,28 +108,28 @@ softmax_into = _pick_softmax()
 NEAREST_BLOCK_BYTES = 1 << 26
 
 
+def _distance_blocks(z: Tensor, codebook: Tensor, rows: Optional[int]):
+    """(start, (m, K) squared distances of z[start:start + m]) per row block of one (rows, K) buffer (default rows:
+    :data:`NEAREST_BLOCK_BYTES`): squared_distances(x, w) bit for bit, ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0."""
+    n, k = z.shape[0], codebook.shape[0]
+    if rows is None:
+        rows = max(1, min(n, NEAREST_BLOCK_BYTES // max(k * z.element_size(), 1)))
+    w_t, w_norm = codebook.t(), (codebook * codebook).sum(1)
+    buf = z.new_empty(min(rows, n), k)
+    for start in range(0, n, rows):
+        x = z[start:start + rows]
+        d = torch.mm(x, w_t, out=buf[:x.shape[0]]).mul_(-2.0).add_((x * x).sum(1, keepdim=True))
+        yield start, d.add_(w_norm).clamp_min_(0.0)
+
+
 @torch.no_grad()
 def nearest_codes(z: Tensor, codebook: Tensor, rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """(N, D) ``z``, (K, D) ``codebook`` -> (squared distance to the nearest code (N,), its first index (N,)):
     ``squared_distances(z, codebook).min(1)`` bit for bit, in row blocks (default: :data:`NEAREST_BLOCK_BYTES`)."""
-    n, k = z.shape[0], codebook.shape[0]
-    if rows is None:
-        rows = max(1, min(n, NEAREST_BLOCK_BYTES // max(k * z.element_size(), 1)))
-    values = z.new_empty(n)
-    indices = torch.empty(n, dtype=torch.long, device=z.device)
-    if n == 0:
-        return values, indices
-    w_t = codebook.t()
-    w_norm = (codebook * codebook).sum(1)
-    buf = z.new_empty(min(rows, n), k)
-    for start in range(0, n, rows):
-        x = z[start:start + rows]
-        # squared_distances(x, w) bit for bit: ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
-        d = torch.mm(x, w_t, out=buf[:x.shape[0]]).mul_(-2.0).add_((x * x).sum(1, keepdim=True))
-        d = d.add_(w_norm).clamp_min_(0.0)
-        v, i = first_min(d)
-        values[start:start + x.shape[0]] = v
-        indices[start:start + x.shape[0]] = i
+    values = z.new_empty(z.shape[0])
+    indices = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+    for start, d in _distance_blocks(z, codebook, rows):
+        values[start:start + d.shape[0]], indices[start:start + d.shape[0]] = first_min(d)
     return values, indices
 
 
@@ -139,17 +137,9 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: Optional[int] = None) -> Tu
 def nearest_other_code(codebook: Tensor, rows: Optional[int] = None) -> Tensor:
     """(K, D) ``codebook`` -> (K,) squared distance from each code to its nearest other code (inf for
     K = 1). Row blocks as in :func:`nearest_codes`: O(rows·K) extra memory."""
-    k = codebook.shape[0]
-    if rows is None:
-        rows = max(1, min(k, NEAREST_BLOCK_BYTES // max(k * codebook.element_size(), 1)))
-    w_norm = (codebook * codebook).sum(1)
-    values = codebook.new_empty(k)
-    for start in range(0, k, rows):
-        block = codebook[start:start + rows]
-        m = block.shape[0]
-        # squared_distances(block, codebook): ((‖x‖² − 2 x·w) + ‖w‖²) clamped at 0
-        d = torch.mm(block, codebook.t()).mul_(-2.0).add_(w_norm[start:start + m, None]).add_(w_norm).clamp_min_(0.0)
-        own = torch.arange(m, device=d.device)
+    values = codebook.new_empty(codebook.shape[0])
+    for start, d in _distance_blocks(codebook, codebook, rows):
+        own = torch.arange(d.shape[0], device=d.device)
         d[own, own + start] = float("inf")
-        values[start:start + m] = d.min(1).values
+        values[start:start + d.shape[0]] = d.min(1).values
     return values

@@ -5,6 +5,7 @@ offered, so ``--help`` never lists one that does not work.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -32,28 +33,20 @@ ROUTES = {("prior", "study"): "ddcl_vq.studies.prior_study"}
 def available() -> dict:
     out = {}
     for name, (module, text) in COMMANDS.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if found:
-            out[name] = (module, text)
+        with contextlib.suppress(ModuleNotFoundError):  # find_spec raises it when the module's package is missing
+            if importlib.util.find_spec(module) is not None:
+                out[name] = (module, text)
     return out
-
-
-def usage(commands: dict) -> str:
-    width = max((len(n) for n in commands), default=8)
-    lines = ["usage: ddcl-vq COMMAND [ARGS ...]", "", "commands:"]
-    lines += [f"  {n.ljust(width)}  {t}" for n, (_, t) in commands.items()]
-    lines += ["", "ddcl-vq COMMAND --help explains each command."]
-    return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available()
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage(commands))
+        width = max((len(n) for n in commands), default=8)
+        print("\n".join(["usage: ddcl-vq COMMAND [ARGS ...]", "", "commands:"]
+                        + [f"  {n.ljust(width)}  {t}" for n, (_, t) in commands.items()]
+                        + ["", "ddcl-vq COMMAND --help explains each command."]))
         return 0
     if argv[0] in ("-V", "--version"):
         import ddcl_vq

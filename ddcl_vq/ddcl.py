@@ -175,7 +175,6 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         self._load_schedule(state_dict, prefix, unexpected_keys, error_msgs)
         self._warmup_over = self.warmup_steps == 0  # re-read the loaded position at the next forward
 
-    # ------------------------------------------------------------------ assignment
     @property
     def codebook(self) -> Tensor:
         return self.weight
@@ -210,7 +209,14 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         if self.training:
             self._update_statistics(x.detach(), stats)
         if self.mode == "straight_through":
-            out, loss, terms = self._straight_through(x, w, stats.indices)
+            hard = w[stats.indices]
+            out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
+            commitment = (x - hard).pow(2).sum(1).mean()
+            beta: Any = self.beta
+            if self.beta_final is not None and self.schedule_steps:  # on the device: no host sync per forward
+                progress = (self.schedule_step.to(commitment.dtype) / self.schedule_steps).clamp(max=1.0)
+                beta = self.beta + (self.beta_final - self.beta) * progress
+            loss, terms = beta * commitment / self.dim, {"commitment": commitment.detach()}
         else:
             a = self._assignment(x, w, scale)
             out = a.soft if self.mode == "soft" else w[a.indices] + (a.soft - a.soft.detach())
@@ -228,25 +234,13 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         during the warm-up)."""
         if not bool(self.initialized) or float(self.distance_scale) == 0:
             self._initialize(x)
-        if self._warmup_over:
-            return 1.0
-        seen = int(self.warmup_batches)
-        if seen < self.warmup_steps:
-            self.warmup_batches.add_(1)
-            return seen / self.warmup_steps
-        self._warmup_over = True
+        if not self._warmup_over:
+            seen = int(self.warmup_batches)
+            if seen < self.warmup_steps:
+                self.warmup_batches.add_(1)
+                return seen / self.warmup_steps
+            self._warmup_over = True
         return 1.0
-
-    def _straight_through(self, x: Tensor, w: Tensor, indices: Tensor):
-        """``straight_through`` mode: the hard code's value, the identity gradient, the commitment loss."""
-        hard = w[indices]
-        out = hard + (x - x.detach())  # value exactly w_{k*}, gradient identity
-        commitment = (x - hard).pow(2).sum(1).mean()
-        beta: Any = self.beta
-        if self.beta_final is not None and self.schedule_steps:  # on the device: no host sync per forward
-            progress = (self.schedule_step.to(commitment.dtype) / self.schedule_steps).clamp(max=1.0)
-            beta = self.beta + (self.beta_final - self.beta) * progress
-        return out, beta * commitment / self.dim, {"commitment": commitment.detach()}
 
     def soft_codes(self, z: Tensor) -> Tensor:
         """The soft codes ẑ in the input layout, whatever the mode (for soft-code evaluation)."""

@@ -51,10 +51,8 @@ class EMAVQ(Quantizer):
             for buf in (self.embed, self.embed_sum, self.cluster_size):
                 broadcast_(buf)
             self._synced = True
-        counts = torch.bincount(indices, minlength=self.num_codes).to(self.cluster_size.dtype)
-        sums = torch.zeros_like(self.embed_sum).index_add_(0, indices, x.to(self.embed_sum.dtype))
-        all_reduce_sum_(counts)
-        all_reduce_sum_(sums)
+        counts = all_reduce_sum_(torch.bincount(indices, minlength=self.num_codes).to(self.cluster_size.dtype))
+        sums = all_reduce_sum_(torch.zeros_like(self.embed_sum).index_add_(0, indices, x.to(self.embed_sum.dtype)))
         self.cluster_size.mul_(self.decay).add_(counts, alpha=1 - self.decay)
         self.embed_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
         total = self.cluster_size.sum()
@@ -66,9 +64,8 @@ class EMAVQ(Quantizer):
     @torch.no_grad()
     def restart_dead_codes(self, x: Tensor) -> int:
         """Replace codes with EMA count < threshold by batch vectors; returns how many."""
-        dead_flags = (self.cluster_size < self.dead_code_threshold).to(torch.uint8)
-        broadcast_(dead_flags)  # identical on every rank already (statistics are all-reduced)
-        dead = dead_flags.bool()
+        # identical on every rank already (statistics are all-reduced)
+        dead = broadcast_((self.cluster_size < self.dead_code_threshold).to(torch.uint8)).bool()
         num_dead = int(dead.sum())
         if num_dead == 0:
             return 0

@@ -252,12 +252,10 @@ class DDCLFunction(torch.autograd.Function):
     def backward(ctx, g_soft, g_dist, _g_ols=None, _g_var=None, _g_idx=None, _g_counts=None):
         if g_soft is None and g_dist is None:
             return None, None, None, None, None
-        saved = ctx.saved_tensors
-        z, w, soft_c, row_dist = saved[:4]
-        q = saved[4] if len(saved) > 4 else None
+        z, w, soft_c, row_dist, *stored = ctx.saved_tensors
+        q = stored[0] if stored else None
         with torch.autocast(device_type=z.device.type, enabled=False):
             grad_z = _backward(z, w, ctx.scale, ctx.rows, q, soft_c, row_dist, g_soft, g_dist)
         if q is not None:
-            del saved
             _hold_q(q)                # the graph is freed after this backward: q's memory is free
         return grad_z, None, None, None, None

@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .base import QuantizerOutput, Quantizer, check_finite, check_positive_int, squared_distances
+from .base import QuantizerOutput, Quantizer, check_finite, check_positive_int, compute_dtype, squared_distances
 
 __all__ = ["FVQQuantizer", "VQBridge", "bridge_grid"]
 
@@ -176,7 +176,7 @@ class FVQQuantizer(Quantizer):
     @property
     def codebook(self) -> Tensor:
         """(K, D): the codes the decoder sees, VQBridge(E)."""
-        return self.codes(torch.float64 if self.weight.dtype == torch.float64 else torch.float32)
+        return self.codes(compute_dtype(self.weight))
 
     def quantize(self, x: Tensor) -> QuantizerOutput:
         codes = self.codes(x.dtype)

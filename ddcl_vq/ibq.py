@@ -55,9 +55,8 @@ class _IBQFunction(torch.autograd.Function):
         mean_p = x.new_zeros(k)
         sample_entropy = x.new_zeros(())
         for start in range(0, n, rows):
-            end = min(n, start + rows)
-            logits = _logits(x[start:end], w, w_sq)
-            indices[start:end] = logits.argmax(1)
+            logits = _logits(x[start:start + rows], w, w_sq)
+            indices[start:start + rows] = logits.argmax(1)
             if with_entropy:
                 log_p = torch.log_softmax(logits.div_(entropy_temperature), 1)
                 p = torch.exp(log_p)
@@ -91,11 +90,10 @@ class _IBQFunction(torch.autograd.Function):
         scale = 2.0 if distance else 1.0
         code_mass = x.new_zeros(k) if distance else None
         for start in range(0, n, rows):
-            end = min(n, start + rows)
-            xb = x[start:end]
+            xb = x[start:start + rows]
             logits = _logits(xb, w, w_sq)
             p = torch.softmax(logits, 1)
-            g_logits = grad_zq[start:end] @ w.t()                       # d z_q / d p, through Σ_k p_k w_k
+            g_logits = grad_zq[start:start + rows] @ w.t()                       # d z_q / d p, through Σ_k p_k w_k
             g_logits.sub_((p * g_logits).sum(1, keepdim=True)).mul_(p)  # through the softmax's Jacobian
             if g_ent:
                 # mean_i H(p'_i): dH_i/dl = −p'(log p' + H_i)/T; the batch term: p'(g − Σ p' g)/T, g = batch_grad;
@@ -105,7 +103,7 @@ class _IBQFunction(torch.autograd.Function):
                 u = log_pt.neg_().add_(batch_grad[None, :])
                 u.sub_((pt * u).sum(1, keepdim=True)).mul_(pt)
                 g_logits.add_(u, alpha=g_ent / (n * temperature))
-            grad_x[start:end] = g_logits @ w
+            grad_x[start:start + rows] = g_logits @ w
             grad_w.addmm_(g_logits.t(), xb, alpha=scale)
             if distance:
                 code_mass += g_logits.sum(0)

@@ -35,18 +35,12 @@ class MStepCodebook:
         # of the batch's variance).
         xc = x - x.mean(0)
         nearest = nearest_codes(x, self.weight.data.to(x.dtype))[0]
-        totals = torch.stack([nearest.sum(), xc.pow(2).sum(), torch.tensor(float(x.shape[0]), device=x.device)
-                              ]).to(torch.float64)
-        all_reduce_sum_(totals)
+        totals = all_reduce_sum_(torch.stack([nearest.sum(), xc.pow(2).sum(),
+                                              torch.tensor(float(x.shape[0]), device=x.device)]).to(torch.float64))
         mean_nearest, variance = float(totals[0] / totals[2].clamp_min(1)), float(totals[1] / totals[2].clamp_min(1))
         self.distance_scale.fill_(mean_nearest if mean_nearest > 1e-6 * variance else max(0.01 * variance, 1e-12))
-        self._restart_statistics(x.shape[0])
-
-    @torch.no_grad()
-    def _restart_statistics(self, batch_vectors: int) -> None:
-        """M-step statistics consistent with the current codes: every code holds its uniform
-        share of a batch (over all processes) and sits at its own mean."""
-        share = batch_vectors * world_size() / self.num_codes
+        # M-step statistics consistent with the codes: each holds its uniform share of a batch, at its own mean
+        share = x.shape[0] * world_size() / self.num_codes
         self.cluster_mass.fill_(share)
         self.cluster_usage.fill_(share)
         self.cluster_sums.copy_(self.weight.data * self.cluster_mass[:, None])
@@ -59,9 +53,8 @@ class MStepCodebook:
         g = self.decay
         k = self.num_codes
         hits = torch.bincount(stats.indices, minlength=k).to(stats.mass.dtype)
-        totals = torch.cat([stats.mass, hits, stats.nearest.sum()[None],
-                            torch.tensor([float(x.shape[0])], device=x.device)]).to(torch.float64)
-        all_reduce_sum_(totals)
+        totals = all_reduce_sum_(torch.cat([stats.mass, hits, stats.nearest.sum()[None],
+                                            torch.tensor([float(x.shape[0])], device=x.device)]).to(torch.float64))
         mass, hits, nearest_sum, count = totals[:k], totals[k:2 * k], totals[-2], totals[-1]
         # A slow running mean (time constant ~100 steps): early in training, while the encoder's
         # features contract several-fold, the lagging scale keeps the assignment soft; codes merge
@@ -72,8 +65,7 @@ class MStepCodebook:
         self.distance_scale.mul_(0.99).add_(batch_mean)
         self.cluster_mass.mul_(g).add_(mass.to(self.cluster_mass.dtype), alpha=1 - g)
         self.cluster_usage.mul_(g).add_(hits.to(self.cluster_usage.dtype), alpha=1 - g)
-        sums = stats.sums.to(self.cluster_sums.dtype)
-        all_reduce_sum_(sums)
+        sums = all_reduce_sum_(stats.sums.to(self.cluster_sums.dtype))
         self.cluster_sums.mul_(g).add_(sums, alpha=1 - g)
         self.weight.data.copy_(self.cluster_sums / self.cluster_mass.clamp_min(1e-12)[:, None])
         if self.revive_threshold > 0:

@@ -190,9 +190,8 @@ class DDCLReadout(nn.Module):
             assignments = x.new_zeros(b, t, k).index_put((mask,), a.q)
             indices = torch.full((b, t), -1, dtype=torch.long, device=tokens.device).index_put((mask,), a.indices)
             loss = self.loss_weight * terms.distortion / self.dim
-        out_dtype = tokens.dtype
         return ReadoutOutput(
-            pooled=pooled.to(out_dtype), soft=soft.to(out_dtype), assignments=assignments, indices=indices,
+            pooled=pooled.to(tokens.dtype), soft=soft.to(tokens.dtype), assignments=assignments, indices=indices,
             mask=mask, histogram=histogram, loss=loss, distortion=terms.distortion, ols=terms.ols,
             variance=terms.variance, soft_counts=a.soft_counts,
             perplexity=batch_perplexity(a.indices, k))
@@ -259,7 +258,7 @@ class HierarchicalCompressor(nn.Module):
                  distortion_to_tokens: bool = False, task_grad_to_prototypes: bool = True,
                  prototype_init: str = "kmeans"):
         super().__init__()
-        check_positive_int("dim", dim)
+        self.dim = check_positive_int("dim", dim)
         if isinstance(windows, (str, bytes)) or not isinstance(windows, Iterable):
             raise ValueError(f"expected windows as a sequence of positive ints, got {windows!r}")
         windows = list(windows)
@@ -273,7 +272,6 @@ class HierarchicalCompressor(nn.Module):
             ks = list(num_prototypes)
             if len(ks) != len(windows):
                 raise ValueError(f"expected one num_prototypes per stage ({len(windows)}), got {len(ks)}")
-        self.dim = dim
         self.windows = windows
         self.stages = nn.ModuleList(
             DDCLReadout(dim, k, temperature=temperature, loss_weight=loss_weight,
@@ -287,7 +285,6 @@ class HierarchicalCompressor(nn.Module):
         # position of every original token in the current stage's sequence (for cumulative errors)
         pos = torch.arange(t0, device=tokens.device).expand(b, t0)
         levels, masks, stages, ratios, cum_ratios, errors, cum_errors = [], [], [], [], [], [], []
-        loss = tokens.new_zeros((), dtype=compute_dtype(tokens))
         n0 = mask.sum()
         for w, readout in zip(self.windows, self.stages):
             t = x.shape[1]
@@ -307,14 +304,14 @@ class HierarchicalCompressor(nn.Module):
                 cum_errors.append(_relative_error(tokens.detach(), recon0, mask))
                 ratios.append(m.sum().double() / new_m.sum().double())
                 cum_ratios.append(n0.double() / new_m.sum().double())
-            loss = loss + out.loss
             levels.append(summ)
             masks.append(new_m)
             stages.append(out)
             x, m = summ, new_m
         return CompressorOutput(summaries=x, mask=m, levels=levels, masks=masks, stages=stages,
                                 ratios=torch.stack(ratios), cumulative_ratios=torch.stack(cum_ratios),
-                                errors=torch.stack(errors), cumulative_errors=torch.stack(cum_errors), loss=loss)
+                                errors=torch.stack(errors), cumulative_errors=torch.stack(cum_errors),
+                                loss=sum(stage.loss for stage in stages))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, windows={self.windows}"

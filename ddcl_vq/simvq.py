@@ -70,8 +70,7 @@ class SimVQQuantizer(Quantizer):
     def _init_from_data(self, x: Tensor) -> None:
         """b = mean(x), W = √D·cov(x)^½: the codes W c + b, c ~ N(0, I/D), get the features' mean and covariance."""
         x = x.double()  # centred second moments of features far from the origin: float32 would cancel
-        stats = torch.cat([x.new_tensor([x.shape[0]]), x.sum(0), (x.t() @ x).reshape(-1)])
-        stats = all_reduce_sum_(stats)
+        stats = all_reduce_sum_(torch.cat([x.new_tensor([x.shape[0]]), x.sum(0), (x.t() @ x).reshape(-1)]))
         n, d = stats[0], self.dim
         mean = stats[1:1 + d] / n
         cov = stats[1 + d:].reshape(d, d) / n - torch.outer(mean, mean)

@@ -67,7 +67,6 @@ class _Blocks:
         self.scale, self.support, self.split = scale, support, split
         self.center = codebook.mean(0)
         self.w = codebook - self.center
-        self.w_sq = self.w.pow(2).sum(1)
         self.w_t = (self.w * -2.0).t()   # the distance expansion's -2 in the product: the same bits (a power of two)
         self.w_norm = (self.w * self.w).sum(1)                # as squared_distances computes ‖w‖²
         self.indices = torch.empty(n, dtype=torch.long, device=z.device)
@@ -77,8 +76,8 @@ class _Blocks:
         self.totals = z.new_zeros(3)  # distortion, ols, variance (sums over rows)
         self.soft_rows = torch.empty_like(z) if keep_soft else None
         width = min(rows, n)
-        self.x_buf, self.soft_buf, self.d_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1]), \
-            z.new_empty(width, k)
+        self.x_buf, self.soft_buf = z.new_empty(width, z.shape[1]), z.new_empty(width, z.shape[1])
+        self.d_buf = z.new_empty(width, k)
         if support is None:
             self.l_buf, self.q_buf = z.new_empty(width, k), z.new_empty(width, k)
 
@@ -98,11 +97,8 @@ class _Blocks:
         self.mass += q.sum(0)
         self.sums.addmm_(q.t(), x)
         if self.split:
-            self.totals[0] += torch.mul(q, d, out=self.l_buf[:m]).sum()
             soft = torch.mm(q, self.w, out=self.soft_buf[:m])
-            self.totals[1] += (x - soft).pow(2).sum()
-            self.totals[2] += (q @ self.w_sq - soft.pow(2).sum(1)).clamp_min(0).sum()
-            self.keep(soft, start)
+            self.add_terms(x, soft, torch.mul(q, d, out=self.l_buf[:m]).sum(), q @ self.w_norm, start)
 
     def truncated(self, x: Tensor, d: Tensor, start: int) -> None:
         """The nearest ``support`` codes: a top-k of the block's distances, O(rows·support·D) work."""
@@ -115,14 +111,15 @@ class _Blocks:
         self.mass.index_add_(0, code.reshape(-1), q.reshape(-1))
         self.sums.index_add_(0, code.reshape(-1), (q[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1]))
         if self.split:
-            self.totals[0] += (q * d_top).sum()
             soft = torch.einsum("rs,rsd->rd", q, self.w[code])
-            self.totals[1] += (x - soft).pow(2).sum()
-            self.totals[2] += ((q * self.w_sq[code]).sum(1) - soft.pow(2).sum(1)).clamp_min(0).sum()
-            self.keep(soft, start)
+            self.add_terms(x, soft, (q * d_top).sum(), (q * self.w_norm[code]).sum(1), start)
 
-    def keep(self, soft: Tensor, start: int) -> None:
-        """With ``keep_soft``: the block's soft codes (centred) -> rows of ``soft_rows`` (uncentred)."""
+    def add_terms(self, x: Tensor, soft: Tensor, distortion: Tensor, spread: Tensor, start: int) -> None:
+        """A block's loss terms from its centred rows, soft codes, Σ q d and (per row) Σ_k q ‖w_k‖²; with
+        ``keep_soft`` its soft codes (uncentred) -> rows of ``soft_rows``."""
+        self.totals[0] += distortion
+        self.totals[1] += (x - soft).pow(2).sum()
+        self.totals[2] += (spread - soft.pow(2).sum(1)).clamp_min(0).sum()
         if self.soft_rows is not None:
             torch.add(soft, self.center, out=self.soft_rows[start:start + soft.shape[0]])
 

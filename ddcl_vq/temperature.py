@@ -44,11 +44,9 @@ class TemperatureSchedule:
         start = check_temperature(temperature)
         if temperature_schedule not in TEMPERATURE_SCHEDULES:
             raise ValueError(f"expected temperature_schedule in {TEMPERATURE_SCHEDULES}, got {temperature_schedule!r}")
-        if temperature_schedule == "constant":
-            final, steps = start, schedule_steps
-        else:
+        final, steps = start, schedule_steps
+        if temperature_schedule != "constant":
             final = check_temperature(temperature_final, f"temperature_final for a {temperature_schedule} schedule")
-            steps = schedule_steps
             if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
                 raise ValueError(f"expected schedule_steps, a positive int, for a {temperature_schedule} "
                                  f"temperature schedule, got {steps!r}")

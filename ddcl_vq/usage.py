@@ -172,11 +172,10 @@ class RecentUsage:
         self.batch_share.zero_()
         self.batch_vectors = self.batches = 0
         filled, batches = int(filled), int(batches)
-        per_batch = vectors / batches if batches else 0
         return {"queue_utilization": float((seen > 0).sum()) / self.num_codes if filled else None,
                 "queue_indices": filled, "queue_ceiling": uniform_ceiling(self.num_codes, filled) if filled else None,
                 "batch_utilization": share / batches if batches else None,
-                "batch_ceiling": uniform_ceiling(self.num_codes, round(per_batch)) if batches else None,
+                "batch_ceiling": uniform_ceiling(self.num_codes, round(vectors / batches)) if batches else None,
                 "batches": batches}
 
     def state_dict(self) -> dict:

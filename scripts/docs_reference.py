@@ -157,20 +157,15 @@ def commands() -> Iterator[Tuple[str, str, Any]]:
             yield f"ddcl-vq {name} {sub}", first_sentence(options.description.split("\n\n")[0]), options
 
 
-def help_text(options: Any) -> str:
-    """What ``--help`` prints, at a fixed width (not the terminal's)."""
-    parser = options.parser()
-    parser.formatter_class = functools.partial(parser.formatter_class, width=110)
-    return parser.format_help().strip()
-
-
 def cli_blocks() -> Dict[str, str]:
     """``commands`` -> a table of the commands, then each one's ``--help``."""
     entries = list(commands())
     out = ["| command | what it does |", "|---|---|"]
     out += [f"| [`{command}`](#{command.replace(' ', '-')}) | {cell(text)} |" for command, text, _ in entries]
     for command, text, options in entries:
-        out += ["", f"## {command}", "", text, "", "```", help_text(options), "```"]
+        parser = options.parser()  # --help at a fixed width, not the terminal's
+        parser.formatter_class = functools.partial(parser.formatter_class, width=110)
+        out += ["", f"## {command}", "", text, "", "```", parser.format_help().strip(), "```"]
     return {"commands": "\n".join(out)}
 
 

@@ -97,10 +97,9 @@ def fill(text: str, generated: Mapping[str, str], tag: str, where: str) -> str:
     return re.sub(rf"(<!-- {tag}:([\w.-]+) -->\n).*?(<!-- /{tag}:\2 -->)", replace, text, flags=re.S)
 
 
-def expected(page: Path, rows: Optional[Sequence[Dict[str, str]]] = None) -> str:
-    """What ``page`` must hold: its text with every results block regenerated from the CSV."""
-    return fill(page.read_text(encoding="utf-8"), blocks(load() if rows is None else rows), "results",
-                str(page.relative_to(ROOT)))
+def expected(page: Path, rows: Sequence[Dict[str, str]]) -> str:
+    """What ``page`` must hold: its text with every results block regenerated from the CSV's ``rows``."""
+    return fill(page.read_text(encoding="utf-8"), blocks(rows), "results", str(page.relative_to(ROOT)))
 
 
 def plot(rows: Sequence[Dict[str, str]], out: Path = PNG_PATH) -> None:

@@ -10,14 +10,6 @@ from ..base import QuantizerOutput
 from ..ddcl import STATE_BUFFERS, DDCLQuantizer
 
 
-def _detached(out: QuantizerOutput) -> QuantizerOutput:
-    """A copy of ``out`` that holds no autograd graph (for ``last_output``)."""
-    def d(t: Optional[Tensor]) -> Optional[Tensor]:
-        return None if t is None else t.detach()
-    return QuantizerOutput(d(out.quantized), out.indices, d(out.loss), {k: d(v) for k, v in out.terms.items()},
-                           d(out.perplexity), d(out.soft_counts))
-
-
 def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,
                           local_metadata: Dict[str, Any]) -> None:
     # the codebook Parameter is registered twice (host name and ddcl.weight): save it once, under the host's name
@@ -52,11 +44,17 @@ class _DDCLAdapter(nn.Module):
 
     def _run_ddcl(self, z: Tensor) -> QuantizerOutput:
         out = self.ddcl(z)
-        self.last_output = _detached(out)
+        # a copy without the autograd graph (a DDCL output always has perplexity and soft_counts)
+        self.last_output = QuantizerOutput(out.quantized.detach(), out.indices, out.loss.detach(),
+                                           {k: v.detach() for k, v in out.terms.items()}, out.perplexity.detach(),
+                                           out.soft_counts.detach())
         return out
 
     @torch.no_grad()
-    def _load_codebook(self, codebook: Tensor) -> None:
-        """Make the DDCL codebook a copy of ``codebook`` (K, D): same values, device and dtype."""
+    def _adopt(self, old: nn.Module, codebook: Tensor) -> "_DDCLAdapter":
+        """This adapter in ``old``'s place: on ``codebook``'s device, with a copy of ``codebook`` (K, D) (same
+        values and dtype) as the DDCL codebook, and ``old``'s train/eval flag."""
+        self.to(device=codebook.device)
         # .data keeps the Parameter object, so a host-named alias (embedding.weight) stays the same tensor.
         self.ddcl.weight.data = codebook.detach().clone()
+        return self.train(old.training)

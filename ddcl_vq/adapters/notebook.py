@@ -52,18 +52,15 @@ class NotebookQuantizerAdapter(_DDCLAdapter):
         weight = old._embedding.weight
         kwargs = dict(ddcl_options)
         beta = kwargs.pop("beta", old._commitment_cost)
-        new = cls(int(old._num_embeddings), int(old._embedding_dim), beta, **kwargs).to(device=weight.device)
-        new._load_codebook(weight)
-        return new.train(old.training)
+        return cls(int(old._num_embeddings), int(old._embedding_dim), beta, **kwargs)._adopt(old, weight)
 
     def forward(self, inputs: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         if not isinstance(inputs, Tensor) or inputs.dim() != 4:
             got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
             raise ValueError(f"expected feature maps (B, C, H, W) with C={self._embedding_dim}, got {got}")
         out = self._run_ddcl(inputs)
-        flat = out.indices.reshape(-1)
-        encodings = torch.zeros(flat.shape[0], self._num_embeddings, device=inputs.device)
-        encodings.scatter_(1, flat[:, None], 1)
+        flat = out.indices.reshape(-1, 1)
+        encodings = torch.zeros(flat.shape[0], self._num_embeddings, device=inputs.device).scatter_(1, flat, 1)
         return out.loss, out.quantized, out.perplexity, encodings
 
     def extra_repr(self) -> str:

@@ -13,10 +13,9 @@ HOST_ARGUMENTS = ("num_codes", "dim", "channel_dim")
 
 
 def _option_fields():
-    params = inspect.signature(DDCLQuantizer.__init__).parameters.values()
+    params = inspect.signature(DDCLQuantizer.__init__).parameters.values()  # self, *args, **kwargs: no default
     return [(p.name, Any, dataclasses.field(default=p.default)) for p in params
-            if p.name != "self" and p.name not in HOST_ARGUMENTS
-            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty]
+            if p.default is not p.empty and p.name not in HOST_ARGUMENTS]
 
 
 def _from_kwargs(cls, options: Mapping[str, Any], *, beta: Optional[float] = None,

@@ -44,22 +44,14 @@ def _is_notebook(m: nn.Module) -> bool:
 
 
 _FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_notebook, NotebookQuantizerAdapter))
-
-_ADAPTERS = (TamingQuantizerAdapter, VQPAdapter, NotebookQuantizerAdapter)
-
-
-def _from_peer_library(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "vector_quantize_pytorch"
+_ADAPTERS = tuple(adapter for _, adapter in _FAMILIES)
 
 
 def adapter_for(module: nn.Module) -> Optional[type]:
     """The adapter class for a host quantizer module, or None when it is not one we recognise."""
     if isinstance(module, _ADAPTERS):
         return None
-    for matches, adapter in _FAMILIES:
-        if matches(module):
-            return adapter
-    return None
+    return next((adapter for matches, adapter in _FAMILIES if matches(module)), None)
 
 
 def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQuantizer], nn.Module]:
@@ -91,7 +83,8 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQ
                 found.setdefault(id(child), (name, child, adapter))
             elif isinstance(child, _ADAPTERS):
                 already.append(name)
-            elif "quantiz" in type(child).__name__.lower() or _from_peer_library(child):
+            elif ("quantiz" in type(child).__name__.lower()
+                  or type(child).__module__.split(".")[0] == "vector_quantize_pytorch"):
                 # e.g. GumbelQuantize, or a vector-quantize-pytorch composite (ResidualVQ, ...)
                 unsupported.append(f"{name} ({type(child).__name__})")
             else:

@@ -92,12 +92,10 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         unknown_index = getattr(old, "unknown_index", "random")
         if remap is not None and int(old.re_embed) > old.used.shape[0]:
             unknown_index = "extra"  # the host stores "extra" resolved to an index one past `used`
-        new = cls(int(old.n_e), e_dim, remap=remap, used=getattr(old, "used", None) if remap is not None else None,
-                  unknown_index=unknown_index, sane_index_shape=bool(getattr(old, "sane_index_shape", False)),
-                  legacy=bool(getattr(old, "legacy", True)), taming_v1_outputs=not hasattr(old, "legacy"),
-                  beta=beta, **kwargs).to(device=weight.device)
-        new._load_codebook(weight)
-        return new.train(old.training)
+        return cls(int(old.n_e), e_dim, remap=remap, used=getattr(old, "used", None) if remap is not None else None,
+                   unknown_index=unknown_index, sane_index_shape=bool(getattr(old, "sane_index_shape", False)),
+                   legacy=bool(getattr(old, "legacy", True)), taming_v1_outputs=not hasattr(old, "legacy"),
+                   beta=beta, **kwargs)._adopt(old, weight)
 
     def remap_to_used(self, inds: Tensor) -> Tensor:
         """(B, n) code indices -> (B, n) positions in ``used`` (unknown codes -> ``unknown_index``)."""
@@ -153,12 +151,9 @@ class TamingQuantizerAdapter(_DDCLAdapter):
         """Indices -> codes: (B, C, H, W) with ``shape`` = (B, H, W, C), else ``indices.shape + (C,)``."""
         if self.remap is not None:
             indices = self.unmap_to_all(indices.reshape(shape[0], -1)).reshape(-1)
-        if shape is not None:
-            indices = indices.reshape(-1)
-        z_q = self.embedding(indices)
-        if shape is not None:
-            z_q = z_q.view(shape).permute(0, 3, 1, 2).contiguous()
-        return z_q
+        if shape is None:
+            return self.embedding(indices)
+        return self.embedding(indices.reshape(-1)).view(shape).permute(0, 3, 1, 2).contiguous()
 
     def extra_repr(self) -> str:
         return (f"n_e={self.n_e}, e_dim={self.e_dim}, sane_index_shape={self.sane_index_shape}, "

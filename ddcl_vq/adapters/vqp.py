@@ -94,11 +94,10 @@ class VQPAdapter(_DDCLAdapter):
                   accept_3d_fmap=bool(getattr(old, "accept_3d_fmap", False)),
                   commitment_weight=beta,
                   return_zeros_for_masked_padding=bool(getattr(old, "return_zeros_for_masked_padding", True)),
-                  **options).to(device=codebook.device)
+                  **options)
         new.project_in = copy.deepcopy(old.project_in)
         new.project_out = copy.deepcopy(old.project_out)
-        new._load_codebook(codebook)
-        return new.train(old.training)
+        return new._adopt(old, codebook)
 
     def _channel_first(self, ndim: int) -> bool:
         return ndim > 2 and (self.accept_image_fmap or self.accept_3d_fmap or not self.channel_last)
@@ -155,16 +154,12 @@ class VQPAdapter(_DDCLAdapter):
     def get_codes_from_indices(self, indices: Tensor) -> Tensor:
         """Indices (B, ...) -> codebook rows, (B, ..., codebook_dim), channel-first for channel-first layouts."""
         codes = self.codebook[indices]
-        if not self.channel_last or self.accept_image_fmap or self.accept_3d_fmap:
-            codes = torch.movedim(codes, -1, 1)
-        return codes
+        return torch.movedim(codes, -1, 1) if self._channel_first(codes.dim()) else codes
 
     def get_output_from_indices(self, indices: Tensor) -> Tensor:
         """Indices (B, ...) -> what ``forward`` returns as ``quantized`` for them (``project_out`` applied)."""
         out = self.project_out(self.codebook[indices])
-        if not self.channel_last or self.accept_image_fmap or self.accept_3d_fmap:
-            out = torch.movedim(out, -1, 1)
-        return out
+        return torch.movedim(out, -1, 1) if self._channel_first(out.dim()) else out
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, codebook_size={self.codebook_size}, codebook_dim={self.codebook_dim}, "

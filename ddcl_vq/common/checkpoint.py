@@ -38,15 +38,6 @@ def _os_cause(err: Optional[BaseException]) -> Optional[OSError]:
     return None
 
 
-def _write_failure(err: BaseException) -> str:
-    """Why torch.save failed, in one line: the OS error (possibly wrapped in torch's RuntimeError)."""
-    cause = _os_cause(err)
-    if cause is not None and cause.errno is not None:
-        return f"{os.strerror(cause.errno)} ({errno.errorcode.get(cause.errno, cause.errno)})"
-    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return f"{type(err).__name__}: {text[:200]}"
-
-
 def umask() -> int:
     """The process's file-creation mask (read without changing it for good)."""
     mask = os.umask(0)
@@ -116,10 +107,15 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
                 torch.save(state, f)
         atomic_write(path, write)
     except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
-        if _os_cause(err) is None and "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
+        cause = _os_cause(err)
+        if cause is None and "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
             raise  # not a failed write (the OS refusing: a full disk, a file-size limit): a bug, keep its traceback
+        if cause is not None and cause.errno is not None:  # why, in one line
+            why = f"{os.strerror(cause.errno)} ({errno.errorcode.get(cause.errno, cause.errno)})"
+        else:
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [type(err).__name__])[0][:200]}"
         kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
-        raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {_write_failure(err)}; {kept}. Free "
+        raise CheckpointWriteError(f"could not write checkpoint {str(path)!r}: {why}; {kept}. Free "
                                    "disk space (or raise the file-size limit) and run the same command again: it "
                                    "resumes from the last checkpoint") from err
 
@@ -208,8 +204,8 @@ def periodic_checkpoints(ckpt_dir: Path) -> List[Path]:
     return sorted(files, key=lambda p: int(p.stem.split("_")[1]), reverse=True)
 
 
-def prune_periodic(ckpt_dir: Path, keep: int = KEEP_PERIODIC) -> None:
-    for old in periodic_checkpoints(ckpt_dir)[keep:]:
+def prune_periodic(ckpt_dir: Path) -> None:
+    for old in periodic_checkpoints(ckpt_dir)[KEEP_PERIODIC:]:
         old.unlink(missing_ok=True)
 
 

@@ -60,25 +60,18 @@ def keys_of(obj: Any, prefix: str = "") -> List[str]:
     return [key for key, _ in leaves(obj, prefix)]
 
 
-def close_key(key: str, candidates: Sequence[str]) -> Optional[str]:
-    """A valid key close enough to ``key`` to be what was meant (by its last part, in its section first), or None."""
-    leaf = key.split(".")[-1]
-    close = difflib.get_close_matches(leaf, sorted({k.split(".")[-1] for k in candidates}), n=1, cutoff=0.6)
-    if close:
-        section = key.rsplit(".", 1)[0] + "." if "." in key else ""
-        same = [k for k in candidates if k.split(".")[-1] == close[0]]
-        return ([k for k in same if section and k.startswith(section)] or same)[0]
-    whole = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.8)
-    return whole[0] if whole else None
-
-
 def did_you_mean(key: str, candidates: Sequence[str]) -> str:
-    """What an unknown-key error suggests: the close key (``did you mean 'model.channels'?``), else
-    the valid keys of ``key``'s section, else the sections — never a far-off key."""
-    match = close_key(key, candidates)
-    if match:
-        return f"did you mean {match!r}?"
+    """What an unknown-key error suggests: the close key (``did you mean 'model.channels'?``: by its last part, in
+    its section first), else the valid keys of ``key``'s section, else the sections — never a far-off key."""
     section = key.rsplit(".", 1)[0] if "." in key else ""
+    close = difflib.get_close_matches(key.split(".")[-1], sorted({k.split(".")[-1] for k in candidates}), n=1,
+                                      cutoff=0.6)
+    if close:
+        same = [k for k in candidates if k.split(".")[-1] == close[0]]
+        return f"did you mean {([k for k in same if section and k.startswith(section + '.')] or same)[0]!r}?"
+    whole = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.8)
+    if whole:
+        return f"did you mean {whole[0]!r}?"
     depth = key.count(".")
     same = [k.split(".")[-1] for k in candidates if section and k.startswith(section + ".") and k.count(".") == depth]
     if same:
@@ -93,13 +86,6 @@ _FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+"
 
 #: the largest integer a float holds exactly: 1e3 is read as 1000 for an int setting, 1e300 is not
 _EXACT_INT = 2 ** 53
-
-
-def _whole(value: Any) -> Optional[int]:
-    """The int a float, or float text such as '1e3', stands for when it is a whole number held exactly; else None."""
-    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-        value = float(value)
-    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INT else None
 
 
 def _optional(annotation: Any) -> Tuple[Any, bool]:
@@ -135,11 +121,12 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if _whole(value) is not None:
-            return _whole(value)  # 1e3 or 1000.0: the learning-rate notation, for a count
-        if isinstance(value, float) or (isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
+        number = float(value) if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()) else value
+        if isinstance(number, float):  # 1e3 or 1000.0: the learning-rate notation, for a count
+            if number.is_integer() and abs(number) <= _EXACT_INT:
+                return int(number)
             raise ConfigError(f"{name(key)}: expected an integer, got {value!r} (not a whole number"
-                              f"{', or too large to be exact' if abs(float(value)) > _EXACT_INT else ''})")
+                              f"{', or too large to be exact' if abs(number) > _EXACT_INT else ''})")
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -156,7 +143,7 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
     elif dataclasses.is_dataclass(annotation):
         if isinstance(value, dict):
             obj = annotation()
-            apply(obj, value, prefix=key + ".", name=name, candidates=[f"{key}.{k}" for k in keys_of(obj)])
+            apply(obj, value, prefix=key + ".", name=name)
             return obj
     else:  # pragma: no cover - schemas use only the types above
         return value
@@ -164,10 +151,9 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
 
 
 def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = config_key,
-          candidates: Optional[Sequence[str]] = None, unknown: Optional[Callable[[str], ConfigError]] = None) -> None:
+          candidates: Optional[Sequence[str]] = None) -> None:
     """Set the fields of dataclass ``obj`` from the mapping ``raw`` (nested mappings into nested
-    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s);
-    ``unknown``: the error for an unknown key, when it needs more than naming the nearest valid one."""
+    dataclasses). ``candidates``: the valid keys an unknown one is compared with (default: ``obj``'s)."""
     if not isinstance(raw, dict):
         where = name(prefix.rstrip(".")) if prefix else "the settings"
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
@@ -177,12 +163,10 @@ def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = 
     for field_name, value in raw.items():
         key = prefix + str(field_name)
         if field_name not in names:
-            if unknown is not None:
-                raise unknown(key)
             raise ConfigError(f"unknown {name(key)}; {did_you_mean(key, candidates)}")
         current = getattr(obj, field_name)
         if dataclasses.is_dataclass(current):
-            apply(current, value, prefix=key + ".", name=name, candidates=candidates, unknown=unknown)
+            apply(current, value, prefix=key + ".", name=name, candidates=candidates)
         else:
             setattr(obj, field_name, coerce(key, value, hints[field_name], name))
 
@@ -190,8 +174,7 @@ def apply(obj: Any, raw: Any, *, prefix: str = "", name: Callable[[str], str] = 
 def check(obj: Any, rules: Rules, name: Callable[[str], str] = config_key) -> None:
     """Check every leaf of ``obj`` against ``rules`` (None passes: it means "not set")."""
     for key, value in leaves(obj):
-        items = value if isinstance(value, list) else [value]
-        items = [v for v in items if v is not None]
+        items = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
         if key in rules.choices:
             bad = [v for v in items if v not in rules.choices[key]]
             if bad:
@@ -235,8 +218,8 @@ def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MIS
     return field(default=default, default_factory=default_factory, metadata={"option": meta})
 
 
-def _fmt(value: Any, sep: Optional[str] = None) -> str:
-    return (sep or " ").join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+def _fmt(value: Any, sep: str) -> str:
+    return sep.join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
 
 class Options:
@@ -268,18 +251,15 @@ class Options:
         return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
 
     def _help(self, name: str) -> str:
-        meta, f = self.meta(name), self.fields[name]
+        meta, default = self.meta(name), self._default(self.fields[name])
         if meta.get("hidden"):
             return argparse.SUPPRESS
-        text = meta.get("help", "")
-        parts = []
-        default = self._default(f)
+        text, sep, parts = meta.get("help", ""), meta.get("sep") or ",", []
         if meta.get("default_text"):
             parts.append(f"default: {meta['default_text']}")
         elif not (default is MISSING or default is None or default is False or meta.get("positional")):
-            parts.append(f"default: {_fmt(default, meta.get('sep') or ',')}")
-        parts += [f"--{switch}: {_fmt(preset[name], meta.get('sep') or ',')}" for switch, preset in self.presets.items()
-                  if name in preset]
+            parts.append(f"default: {_fmt(default, sep)}")
+        parts += [f"--{switch}: {_fmt(preset[name], sep)}" for switch, preset in self.presets.items() if name in preset]
         if parts:
             text = f"{text} ({'; '.join(parts)})" if text else "; ".join(parts)
         return text.replace("%", "%%")
@@ -288,7 +268,7 @@ class Options:
         p = argparse.ArgumentParser(prog=self.prog, description=self.description, epilog=self.epilog,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         for name, f in self.fields.items():
-            meta = self.meta(name)
+            meta, default = self.meta(name), self._default(f)
             annotation, _ = _optional(self.hints[name])
             kwargs: Dict[str, Any] = {"help": self._help(name)}
             if meta.get("metavar"):
@@ -298,17 +278,13 @@ class Options:
             if meta.get("nargs") is not None:
                 kwargs["nargs"] = meta["nargs"]
             if meta.get("positional"):
-                default = self._default(f)
-                if default is not MISSING:
-                    kwargs["default"] = default
-                p.add_argument(name, **kwargs)
-                continue
-            if annotation is bool:
+                p.add_argument(name, **kwargs, **({} if default is MISSING else {"default": default}))
+            elif annotation is bool:
                 kwargs.pop("metavar", None)
                 p.add_argument(self.flag(name), dest=name, action="store_true", default=argparse.SUPPRESS, **kwargs)
             else:
-                required = self._default(f) is MISSING
-                p.add_argument(self.flag(name), dest=name, required=required, default=argparse.SUPPRESS, **kwargs)
+                p.add_argument(self.flag(name), dest=name, required=default is MISSING, default=argparse.SUPPRESS,
+                               **kwargs)
         # read (and removed from argv) by errors.entry_point; listed here so that --help shows it
         p.add_argument(DEBUG_FLAG, dest="_debug", action="store_true", default=argparse.SUPPRESS,
                        help="on an error, show the full traceback instead of one line")
@@ -354,23 +330,10 @@ class Options:
         return obj
 
 
-
 # ----------------------------------------------------------------------------- YAML
 MAX_BYTES = 1 << 20        # 1 MiB: a config is a few hundred bytes
 MAX_DEPTH = 64             # mappings and lists nested in each other
 MAX_VALUES = 100_000       # scalars, mappings and lists, aliases expanded
-
-
-def _check_events(text: str, what: str) -> None:
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise ConfigError(f"{what} nests mappings and lists more than {MAX_DEPTH} levels deep (line "
-                                  f"{event.start_mark.line + 1}); a config needs a few")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
 
 
 def _expanded_size(root: yaml.Node, what: str) -> int:
@@ -387,8 +350,14 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
             raise ConfigError(f"{what} has a recursive alias (line {node.start_mark.line + 1}: a mapping or list "
                               "that contains itself)")
         open_nodes.add(key)
-        if isinstance(node, yaml.MappingNode):
-            _check_keys(node, what)
+        lines: Dict[tuple, int] = {}  # a mapping's keys: the line each is on
+        for name, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            if isinstance(name, yaml.ScalarNode) and name.tag != "tag:yaml.org,2002:merge":
+                if (name.tag, name.value) in lines:
+                    raise ConfigError(f"{what} has the key {name.value!r} twice in one mapping (lines "
+                                      f"{lines[name.tag, name.value]} and {name.start_mark.line + 1}); YAML would "
+                                      "keep the last one without a word: remove one")
+                lines[name.tag, name.value] = name.start_mark.line + 1
         total = 1
         children = (node.value if isinstance(node, yaml.SequenceNode) else
                     [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else [])
@@ -404,23 +373,20 @@ def _expanded_size(root: yaml.Node, what: str) -> int:
     return size(root)
 
 
-def _check_keys(node: yaml.MappingNode, what: str) -> None:
-    keys: Dict[tuple, int] = {}
-    for key, _ in node.value:
-        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-            if (key.tag, key.value) in keys:
-                raise ConfigError(f"{what} has the key {key.value!r} twice in one mapping (lines "
-                                  f"{keys[key.tag, key.value]} and {key.start_mark.line + 1}); YAML would keep the "
-                                  "last one without a word: remove one")
-            keys[key.tag, key.value] = key.start_mark.line + 1
-
-
 def load_yaml_text(text: str, what: str) -> Any:
     """The YAML document in ``text`` (None when empty), read within the limits above; yaml.YAMLError
     for text that is not YAML, ConfigError (naming ``what``) when a limit is exceeded."""
     if len(text) > MAX_BYTES:
         raise ConfigError(f"{what} is {len(text):,} characters long, more than the {MAX_BYTES:,} a config may have")
-    _check_events(text, what)
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{what} nests mappings and lists more than {MAX_DEPTH} levels deep (line "
+                                  f"{event.start_mark.line + 1}); a config needs a few")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -432,37 +398,34 @@ def load_yaml_text(text: str, what: str) -> Any:
         loader.dispose()
 
 
-def read_yaml(path: Path, what: str) -> Any:
-    """The YAML document in ``path`` ({} when empty); any reason it cannot be read is a ConfigError."""
+def read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
+    """The YAML mapping in ``path`` ({} when empty), a config or a study file; any reason it cannot be read, or a
+    top level that is not a mapping, is a ConfigError."""
     path = Path(path)
+    where = f"{what} {str(path)!r}"
     if not path.exists():
-        raise ConfigError(f"{what} {str(path)!r} does not exist")
+        raise ConfigError(f"{where} does not exist")
     if path.is_dir():
-        raise ConfigError(f"{what} {str(path)!r} is a directory, expected a YAML file")
+        raise ConfigError(f"{where} is a directory, expected a YAML file")
     try:
         size = path.stat().st_size
         if size > MAX_BYTES:
-            raise ConfigError(f"{what} {str(path)!r} is {size:,} bytes, more than the {MAX_BYTES:,} a config may have")
+            raise ConfigError(f"{where} is {size:,} bytes, more than the {MAX_BYTES:,} a config may have")
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)  # a file that grew since stat, or a FIFO: still bounded
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = err.object[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} on line "
-                          f"{line}); save it as UTF-8") from None
+        raise ConfigError(f"{where} is not UTF-8 text (byte {err.object[err.start]:#04x} on line {line}); save it "
+                          "as UTF-8") from None
     except OSError as err:
-        raise ConfigError(f"{what} {str(path)!r} cannot be read: {err.strerror or err}") from None
+        raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
     try:
-        return load_yaml_text(text, f"{what} {str(path)!r}") or {}
+        raw = load_yaml_text(text, where) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-
-
-def read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
-    """:func:`read_yaml` for a file whose top level must be a mapping (a config or a study file)."""
-    raw = read_yaml(path, what)
+        raise ConfigError(f"{where} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{what} {str(path)!r}: expected a mapping at the top, got {type(raw).__name__}")
+        raise ConfigError(f"{where}: expected a mapping at the top, got {type(raw).__name__}")
     return raw
 
 

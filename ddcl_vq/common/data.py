@@ -250,42 +250,36 @@ def build_dataset(data_cfg, split: str, seed: int = 0) -> Dataset:
     """The dataset named by ``data_cfg.name`` for ``split`` ('train' or 'test')."""
     if split not in SPLITS:
         raise ValueError(f"expected split in {SPLITS}, got {split!r}")
-    dataset = _build(data_cfg, split, seed)
-    if len(dataset) == 0:
-        where = f" under {str(Path(data_cfg.root) / split)!r}" if data_cfg.name == "image_folder" else ""
-        raise DataUnavailable(f"{data_cfg.name}: the {split} split has no images{where}")
-    return dataset
-
-
-def _build(data_cfg, split: str, seed: int) -> Dataset:
     name = data_cfg.name
-    if name in ("fashion_mnist", "digits") and data_cfg.image_size < 28:
-        raise ConfigError(f"config key 'data.image_size': {name} images are 28x28 and are padded, not shrunk; "
-                          f"expected a size >= 28, got {data_cfg.image_size}")
-    if name == "fashion_mnist":
-        images, labels = fashion_mnist_arrays(split, data_cfg.root, data_cfg.download)
-        return TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
-                                  data_cfg.image_size)
-    if name in ("mnist", "cifar10"):
-        return _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
-    if name == "image_folder":
+    if name in ("fashion_mnist", "digits"):
+        if data_cfg.image_size < 28:
+            raise ConfigError(f"config key 'data.image_size': {name} images are 28x28 and are padded, not shrunk; "
+                              f"expected a size >= 28, got {data_cfg.image_size}")
+        images, labels = (fashion_mnist_arrays(split, data_cfg.root, data_cfg.download) if name == "fashion_mnist"
+                          else digits_arrays(split))
+        dataset = TensorImageDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels),
+                                     data_cfg.image_size)
+    elif name in ("mnist", "cifar10"):
+        dataset = _torchvision_dataset(name, split, data_cfg.root, data_cfg.download, data_cfg.image_size)
+    elif name == "image_folder":
         folder = Path(data_cfg.root) / split
         if not folder.is_dir():
             raise DataUnavailable(f"image_folder: expected a folder {str(folder)!r} (data.root with train/ and test/ "
                                   f"subfolders of class folders, as torchvision's ImageFolder reads), got none")
-        folder = ImageFiles(folder, data_cfg.image_size)
+        dataset = ImageFiles(folder, data_cfg.image_size)
         if split == "train" and getattr(data_cfg, "augment", "none") == "crop_flip":
-            return CropFlip(folder, data_cfg.image_size, seed)  # the test split: the centre crop
-        return folder
-    if name == "natural_patches":
-        return natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
-                               getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
-                               getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
-    if name == "digits":
-        images, labels = digits_arrays(split)
-        return TensorImageDataset(torch.from_numpy(images)[:, None], torch.from_numpy(labels), data_cfg.image_size)
-    raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, digits, "
-                     f"got {name!r}")
+            dataset = CropFlip(dataset, data_cfg.image_size, seed)  # the test split: the centre crop
+    elif name == "natural_patches":
+        dataset = natural_patches(split, data_cfg.image_size, data_cfg.patches_per_image, seed,
+                                  getattr(data_cfg, "train_photos", NATURAL_TRAIN_PHOTOS),
+                                  getattr(data_cfg, "test_photos", NATURAL_TEST_PHOTOS))
+    else:
+        raise ValueError(f"expected data.name in fashion_mnist, mnist, cifar10, image_folder, natural_patches, "
+                         f"digits, got {name!r}")
+    if len(dataset) == 0:
+        where = f" under {str(Path(data_cfg.root) / split)!r}" if name == "image_folder" else ""
+        raise DataUnavailable(f"{name}: the {split} split has no images{where}")
+    return dataset
 
 
 #: digits: the first DIGITS_TRAIN of the 1,797 images are the train split, the other 500 the test split
@@ -377,8 +371,8 @@ def make_loader(dataset: Dataset, batches: Iterable[List[int]], num_workers: int
     (the same with any number of workers; pinned memory on CUDA)."""
     cuda = torch.device(device).type == "cuda"
     options = dict(num_workers=num_workers, pin_memory=cuda, persistent_workers=num_workers > 0)
-    if hasattr(dataset, "tag_batches"):  # CropFlip: draws seeded by (epoch, index)
-        batches = dataset.tag_batches(batches)
+    if isinstance(dataset, CropFlip):  # draws seeded by (epoch, index)
+        batches = _Tagged(batches)
     if in_memory(dataset):
         return DataLoader(dataset, sampler=batches, batch_size=None, **options)
     return DataLoader(dataset, batch_sampler=batches, **options)
@@ -403,13 +397,12 @@ class SequentialBatches:
 SCALE, RATIO = (0.5, 1.0), (3 / 4, 4 / 3)
 
 
-def crop_params(width: int, height: int, g: torch.Generator, scale: Sequence[float] = SCALE,
-                ratio: Sequence[float] = RATIO) -> Tuple[int, int, int, int]:
-    """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws them, from ``g``."""
+def crop_params(width: int, height: int, g: torch.Generator) -> Tuple[int, int, int, int]:
+    """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws them (SCALE, RATIO) from ``g``."""
     area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
     for _ in range(10):
-        target = area * (scale[0] + (scale[1] - scale[0]) * float(torch.rand((), generator=g)))
+        target = area * (SCALE[0] + (SCALE[1] - SCALE[0]) * float(torch.rand((), generator=g)))
         aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * float(torch.rand((), generator=g)))
         w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
         if 0 < w <= width and 0 < h <= height:
@@ -417,10 +410,10 @@ def crop_params(width: int, height: int, g: torch.Generator, scale: Sequence[flo
             left = int(torch.randint(0, width - w + 1, (), generator=g))
             return top, left, h, w
     in_ratio = width / height  # fallback: the central crop, as torchvision
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
+    if in_ratio < min(RATIO):
+        w, h = width, int(round(width / min(RATIO)))
+    elif in_ratio > max(RATIO):
+        h, w = height, int(round(height * max(RATIO)))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
@@ -428,11 +421,10 @@ def crop_params(width: int, height: int, g: torch.Generator, scale: Sequence[flo
 
 class CropFlip(Dataset):
     """An image folder (:class:`ImageFiles`) with a random-resized crop and a horizontal flip drawn from a generator
-    seeded by (run seed, epoch, image index); indexed with the ``(epoch, index)`` pairs of :meth:`tag_batches`."""
+    seeded by (run seed, epoch, image index); indexed with the ``(epoch, index)`` pairs of :class:`_Tagged`."""
 
     def __init__(self, base, image_size: int, seed: int = 0):
         self.base, self.image_size, self.seed = base, image_size, seed
-        self.samples = base.samples
 
     def __len__(self) -> int:
         return len(self.base)
@@ -440,7 +432,7 @@ class CropFlip(Dataset):
     def __getitem__(self, key):
         from torchvision.transforms import functional as TF
         epoch, i = key if isinstance(key, tuple) else (0, key)
-        path, label = self.samples[i]
+        path, label = self.base.samples[i]
         try:
             image = self.base.folder.loader(path)
             g = generator((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
@@ -453,15 +445,13 @@ class CropFlip(Dataset):
             raise UnreadableImage(f"image {path!r} cannot be read ({type(err).__name__}: {one_line(err)}); replace "
                                   f"or remove it ({CHECK_HINT})") from None
 
-    def tag_batches(self, batches) -> Iterable[List[Tuple[int, int]]]:
-        """The loop's batches of indices (:class:`EpochBatches`) as (epoch, index) pairs."""
-        return _Tagged(batches)
-
     def unreadable(self):
         return self.base.unreadable()
 
 
 class _Tagged:
+    """The loop's batches of indices (:class:`EpochBatches`) as (epoch, index) pairs, for :class:`CropFlip`."""
+
     def __init__(self, batches):
         self.batches = batches
 

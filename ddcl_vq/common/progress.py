@@ -6,7 +6,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any
 
 _NO_SD = object()
 
@@ -20,16 +20,15 @@ def fmt(value: Any, spec: str = "", sd: Any = _NO_SD) -> str:
     return text if sd is _NO_SD else f"{text} ± {fmt(sd, spec)}"
 
 
-def interactive(stream: Optional[TextIO] = None) -> bool:
+def interactive() -> bool:
     """True when progress should be a redrawn bar: ``DDCL_VQ_PROGRESS`` if set, else stderr is a TTY."""
     forced = os.environ.get("DDCL_VQ_PROGRESS", "").strip().lower()
     if forced in ("bar", "tty"):
         return True
     if forced in ("lines", "log"):
         return False
-    stream = sys.stderr if stream is None else stream
     try:
-        return stream.isatty()
+        return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
 
@@ -43,18 +42,17 @@ def _clock(seconds: float) -> str:
 
 class Progress:
     """``update(n)``, ``set_postfix(**values)``, ``close()``: a tqdm bar on a terminal, else a line
-    every ``every`` updates (and one at ``total``) on ``stream`` (stderr by default); ``off``: neither."""
+    every ``every`` updates (and one at ``total``) on stderr; ``off``: neither."""
 
     def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: int = 1,
-                 stream: Optional[TextIO] = None, leave: bool = True, bar: Optional[bool] = None, off: bool = False):
+                 leave: bool = True, off: bool = False):
         self.total, self.desc, self.unit, self.n = int(total), desc, unit, int(initial)
-        self.every, self.stream, self.bar, self.off = max(int(every), 1), stream, None, off
+        self.every, self.bar, self.off = max(int(every), 1), None, off
         self.postfix: dict = {}
         self.start_n, self.last_line, self.t_start = self.n, self.n, time.time()
-        if not off and (interactive(stream) if bar is None else bar):
+        if not off and interactive():
             from tqdm import tqdm
-            self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, dynamic_ncols=True,
-                            leave=leave, file=stream)
+            self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
 
     def set_postfix(self, **values) -> None:
         self.postfix = dict(values)
@@ -68,7 +66,8 @@ class Progress:
             return
         due = self.n // self.every > self.last_line // self.every or self.n >= self.total > self.last_line
         if due and not self.off:
-            self.write_line()
+            self.last_line = self.n
+            print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
         elapsed = time.time() - self.t_start
@@ -83,10 +82,6 @@ class Progress:
         if self.postfix:
             parts.append(" ".join(f"{k}={v}" for k, v in self.postfix.items()))
         return "  ".join(parts)
-
-    def write_line(self) -> None:
-        self.last_line = self.n
-        print(self.line(), file=sys.stderr if self.stream is None else self.stream, flush=True)
 
     def write(self, text: str) -> None:
         """A line of output on stdout that leaves the bar whole (tqdm.write on a terminal)."""

@@ -58,15 +58,13 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self.fd: Optional[int] = None
 
-    def _holder(self) -> str:
-        try:
-            text = self.path.read_text().strip()
-        except OSError:
-            text = ""
-        return text or "a process that did not write its PID yet"
-
     def _refuse(self) -> RunDirError:
-        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({self._holder()}); "
+        try:
+            holder = self.path.read_text().strip()
+        except OSError:
+            holder = ""
+        holder = holder or "a process that did not write its PID yet"
+        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({holder}); "
                            f"wait for it to end or stop it, or give this one another run.dir (lock file: "
                            f"{str(self.path)!r})")
 
@@ -153,19 +151,18 @@ def first_missing(path: Path) -> Optional[Path]:
 _SETUP_FILES = {"config.yaml", "metrics.jsonl", "tb", "checkpoints", LOCK_NAME}
 
 
-def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
+def remove_failed_start(run_dir: Path, created: Optional[Path]) -> None:
     """After a failed training: remove the run directory (and the parents it created) when this command created it
-    (``created``: :func:`first_missing`) and it holds nothing but set-up files; -> whether it did."""
+    (``created``: :func:`first_missing`) and it holds nothing but set-up files."""
     import shutil
     run_dir = Path(run_dir).absolute()
     if created is None or not run_dir.is_dir():
-        return False
+        return
     names = {p.name for p in run_dir.iterdir()}
-    metrics = run_dir / "metrics.jsonl"
-    if not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0):
-        return False
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        return False
+    metrics, checkpoints = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    if (not names <= _SETUP_FILES or (metrics.is_file() and metrics.stat().st_size > 0)
+            or (checkpoints.is_dir() and any(checkpoints.iterdir()))):
+        return  # a run that got going: keep everything
     shutil.rmtree(run_dir, ignore_errors=True)
     folder = run_dir.parent
     while folder != created.parent and folder.is_dir():
@@ -174,7 +171,6 @@ def remove_failed_start(run_dir: Path, created: Optional[Path]) -> bool:
         except OSError:
             break
         folder = folder.parent
-    return not run_dir.exists()
 
 
 def keep_logged_steps(metrics: Path, step: int) -> None:
@@ -192,6 +188,5 @@ def keep_logged_steps(metrics: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue  # a torn line (the kill cut it) or not a record
         kept.append(line if line.endswith("\n") else line + "\n")
-    if kept == lines:
-        return
-    atomic_write(metrics, lambda tmp: tmp.write_text("".join(kept)))
+    if kept != lines:
+        atomic_write(metrics, lambda tmp: tmp.write_text("".join(kept)))

@@ -111,8 +111,6 @@ class _Signals(SignalScope):
     """SIGTERM and SIGINT set a flag while the steps run; a second signal stops at once: :class:`Stopped` with
     ``again(signum)``, what was kept."""
 
-    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
-
     def __init__(self, world: int, again: Callable[[int], str]):
         self.caught: Optional[int] = None
         self.twice: Optional[int] = None
@@ -182,7 +180,6 @@ class TrainingRun:
         self._close()  # the steps' files, also when a second signal stopped them at once
         if self._lock is not None:
             self._lock.release()
-            self._lock = None
         if exc_type is not None and not issubclass(exc_type, Stopped) and self._created is not None:
             remove_failed_start(self.dir, self._created)  # a run that never got going leaves no folder behind
 
@@ -277,7 +274,7 @@ class TrainingRun:
 
     def _again(self, signum: int) -> str:
         """What a second signal says: what it stopped, and which checkpoint is kept."""
-        name = _Signals.NAMES.get(signum, f"signal {signum}")
+        name = signal.Signals(signum).name
         what = (f"while the checkpoint of step {self._writing} was being written (abandoned: not a partial file)"
                 if self._writing is not None else f"after step {self.step}")
         kept = (f"the checkpoint of step {self._kept} is kept ({self.dir / 'checkpoints' / 'last.pt'})"
@@ -285,10 +282,10 @@ class TrainingRun:
         return f"stopped at once by a second {name} {what}; {kept}; run the same command again to resume"
 
     def _stop(self, signum: int, step: int) -> None:
+        """Save (unless this step's checkpoint is saved), then leave :meth:`steps` (whose ``finally`` closes files)."""
         if self._saved_at != step:
             self.save(step)
-        self._close()
-        name = _Signals.NAMES.get(signum, f"signal {signum}")
+        name = signal.Signals(signum).name
         raise Stopped(f"stopped by {name} after step {step} of {self.total_steps}; checkpoint saved in "
                       f"{self.dir / 'checkpoints' / 'last.pt'}; run the same command again to resume", 128 + signum)
 
@@ -318,10 +315,9 @@ class TrainingRun:
         record = {"step": step, **record}
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
-        names = scalar_names or {}
         for key, value in record.items():
             if key not in ("step", "time", "wall") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(names.get(key, key), value, step)
+                self.writer.add_scalar((scalar_names or {}).get(key, key), value, step)
         if self.progress is not None:
             self.progress.set_postfix(**self.postfix(record))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 FEATURES = 128
-WIDTHS = (16, 32, 64)
 
 
 class SmallClassifier(nn.Module):
@@ -13,7 +12,7 @@ class SmallClassifier(nn.Module):
     def __init__(self, channels: int, classes: int, size: int = 32):
         super().__init__()
         layers, c = [], channels
-        for width in WIDTHS:
+        for width in (16, 32, 64):
             layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2)]
             c = width
         self.conv = nn.Sequential(*layers)

@@ -35,12 +35,11 @@ class CausalSelfAttention(nn.Module):
                 past = cache["k"].shape[2]
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-        drop = self.dropout if self.training else 0.0
-        if past and t > 1:  # several new positions after cached ones: causal with an offset
+        mask = None  # several new positions after cached ones: causal with an offset (one new one sees them all)
+        if past and t > 1:
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
-        else:  # causal from the start, or one new position that attends to every cached one and itself
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and t > 1, dropout_p=drop)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=past == 0 and t > 1)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -94,7 +93,6 @@ class CodePrior(nn.Module):
             nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------------ inputs
-
     def _labels(self, labels: Optional[Tensor], batch: int, device) -> Tensor:
         if self.num_classes == 0:
             return torch.zeros(batch, dtype=torch.long, device=device)
@@ -139,7 +137,6 @@ class CodePrior(nn.Module):
         return self.ln_f(x)
 
     # ------------------------------------------------------------------ training
-
     def forward(self, codes: Tensor, labels: Optional[Tensor] = None) -> Tensor:
         """codes (B, h, w) or (B, L) -> logits (B, L, K); logits[:, t] predicts code t from code_<t."""
         codes = self.flatten(codes)
@@ -155,7 +152,6 @@ class CodePrior(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.num_codes), codes.reshape(-1))
 
     # ------------------------------------------------------------------ sampling
-
     @staticmethod
     def _pick(logits: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> Tensor:
         if temperature == 0:

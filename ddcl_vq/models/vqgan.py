@@ -27,11 +27,11 @@ def block_types(ch_mult: Sequence[int], attn_resolutions: Sequence[int], resolut
 
 def _diffusers_vae():
     try:
-        from diffusers.models.autoencoders.vae import Decoder, Encoder
+        from diffusers.models.autoencoders import vae
     except ImportError as err:  # pragma: no cover - diffusers is a dependency of the dev extra
         raise ImportError("model.arch vqgan is built on diffusers' VQModel encoder/decoder: pip install diffusers "
                           f"({err})") from None
-    return Encoder, Decoder
+    return vae
 
 
 class VQGANEncoder(nn.Module):
@@ -41,12 +41,11 @@ class VQGANEncoder(nn.Module):
                  num_res_blocks: int = 2, attn_resolutions: Sequence[int] = (16,), resolution: int = 256,
                  z_channels: int = 256, latent_dim: int = 256, norm_groups: int = 32):
         super().__init__()
-        Encoder, _ = _diffusers_vae()
         down, _ = block_types(ch_mult, attn_resolutions, resolution)
-        self.encoder = Encoder(in_channels=in_channels, out_channels=z_channels, down_block_types=tuple(down),
-                               block_out_channels=tuple(ch * m for m in ch_mult), layers_per_block=num_res_blocks,
-                               norm_num_groups=norm_groups, act_fn="silu", double_z=False,
-                               mid_block_add_attention=True)
+        self.encoder = _diffusers_vae().Encoder(
+            in_channels=in_channels, out_channels=z_channels, down_block_types=tuple(down),
+            block_out_channels=tuple(ch * m for m in ch_mult), layers_per_block=num_res_blocks,
+            norm_num_groups=norm_groups, act_fn="silu", double_z=False, mid_block_add_attention=True)
         self.quant_conv = nn.Conv2d(z_channels, latent_dim, 1)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -60,13 +59,12 @@ class VQGANDecoder(nn.Module):
                  num_res_blocks: int = 2, attn_resolutions: Sequence[int] = (16,), resolution: int = 256,
                  z_channels: int = 256, latent_dim: int = 256, norm_groups: int = 32):
         super().__init__()
-        _, Decoder = _diffusers_vae()
         _, up = block_types(ch_mult, attn_resolutions, resolution)
         self.post_quant_conv = nn.Conv2d(latent_dim, z_channels, 1)
-        self.decoder = Decoder(in_channels=z_channels, out_channels=out_channels, up_block_types=tuple(up),
-                               block_out_channels=tuple(ch * m for m in ch_mult), layers_per_block=num_res_blocks,
-                               norm_num_groups=norm_groups, act_fn="silu", norm_type="group",
-                               mid_block_add_attention=True)
+        self.decoder = _diffusers_vae().Decoder(
+            in_channels=z_channels, out_channels=out_channels, up_block_types=tuple(up),
+            block_out_channels=tuple(ch * m for m in ch_mult), layers_per_block=num_res_blocks,
+            norm_num_groups=norm_groups, act_fn="silu", norm_type="group", mid_block_add_attention=True)
 
     @property
     def last_layer(self) -> nn.Parameter:

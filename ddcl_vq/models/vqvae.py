@@ -22,8 +22,7 @@ from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, I
 
 # config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
-                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer,
-                   "fvq": FVQQuantizer}
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 #: the keys every config.json holds
 REQUIRED = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
@@ -48,16 +47,6 @@ def byte_size(n: float) -> str:
         if n < 1000 or unit == "PB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1000
-
-
-def read_config_file(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a ValueError naming the file when it is not JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"expected {str(path)!r} to hold JSON (written by VQVAE.save_pretrained or ddcl-vq "
-                         f"export), got unreadable text ({err})") from None
 
 
 def _integer(value: Any, low: int = 1, high: float = math.inf) -> bool:
@@ -102,15 +91,15 @@ def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or n <= 0 or 8 + n > size:
                 raise ValueError("header cut off")
-            header = json.loads(f.read(n))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, AttributeError):
         raise ValueError(f"expected {path!r} to be a safetensors weights file (written by VQVAE.save_pretrained "
                          f"or ddcl-vq export); it is truncated or not safetensors ({byte_size(size)})") from None
-    if 8 + n + max(ends, default=0) > size:
-        raise ValueError(f"{path!r} is truncated: its header lists {byte_size(max(ends))} of tensors, the file holds "
+    if 8 + n + end > size:
+        raise ValueError(f"{path!r} is truncated: its header lists {byte_size(end)} of tensors, the file holds "
                          f"{byte_size(size - 8 - n)} after the header")
-    return {k: v for k, v in header.items() if k != "__metadata__"}
+    return header
 
 
 def check_size(config: Dict[str, Any], header: Dict[str, Any], weights: str) -> None:
@@ -299,25 +288,21 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         model.config.setdefault("format", CONFIG_FORMAT)
         return model
 
-    def _pretrained_config(self) -> Dict[str, Any]:
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """config.json + model.safetensors (tensors only, the quantizer's buffers included)."""
+        from safetensors.torch import save_model
+
+        import ddcl_vq
+
         if self.config is None:
             raise ValueError("expected a VQVAE built with VQVAE.from_config (or loaded by from_pretrained or "
                              "ddcl-vq); one built from modules has no constructor arguments to save")
-        import ddcl_vq
-
         config = copy.deepcopy(self.config)
         config["quantizer_state"] = {k: v for k, v in self.quantizer.describe().items()
                                      if isinstance(v, (int, float, str, bool)) or v is None}
         if hasattr(self.quantizer, "schedule_step"):
             config["quantizer_state"]["schedule_step"] = int(self.quantizer.schedule_step)
         config["ddcl_vq_version"] = ddcl_vq.__version__
-        return config
-
-    def _save_pretrained(self, save_directory: Path) -> None:
-        """config.json + model.safetensors (tensors only, the quantizer's buffers included)."""
-        from safetensors.torch import save_model
-
-        config = self._pretrained_config()
         save_model(self, str(Path(save_directory) / WEIGHTS_NAME))
         umask = os.umask(0)  # safetensors writes 0600: the weights get the permissions of any new file
         os.umask(umask)
@@ -336,7 +321,13 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                    if k in kwargs}
             config_file = hf_hub_download(repo_id=source, filename="config.json", **hub)
         if os.path.isfile(config_file):
-            check_config(read_config_file(config_file), repr(config_file))
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"expected {config_file!r} to hold JSON (written by VQVAE.save_pretrained or "
+                                 f"ddcl-vq export), got unreadable text ({err})") from None
+            check_config(config, repr(config_file))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
@@ -371,8 +362,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         """(h, w) of the code grid of the images the model was trained on, when its config records it
         (``config["data"]["latent_size"]``), else None."""
         size = ((self.config or {}).get("data") or {}).get("latent_size")
-        if isinstance(size, int) and size > 0:
-            return size, size
+        size = [size, size] if isinstance(size, int) else size
         if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
             return int(size[0]), int(size[1])
         return None

@@ -1,7 +1,7 @@
 """The prior evaluation's feature classifier, trained on a dataset's training split."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ def train_classifier(data_cfg, steps: int = 1000, seed: int = 0, device="cpu", p
     bar.close()
     model.eval()
     x_test, y_test = dataset_tensors(test_set)
-    accuracy = float((predict(model, x_test, device=device) == y_test).float().mean())
+    accuracy = float((batched(lambda x: model(x).argmax(1), x_test, device) == y_test).float().mean())
     return model, {"classes": classes, "channels": image_channels(data_cfg), "test_accuracy": accuracy,
                    "test_images": len(y_test)}
 
@@ -62,6 +62,6 @@ def dataset_tensors(dataset, max_images: int = 0) -> Tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def predict(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> Tensor:
-    return torch.cat([model(images[i:i + batch_size].to(device)).argmax(1).cpu()
-                      for i in range(0, len(images), batch_size)])
+def batched(fn: Callable[[Tensor], Tensor], images: Tensor, device="cpu", batch_size: int = 500) -> Tensor:
+    """``fn`` over ``images`` in batches on ``device``, its outputs concatenated on the CPU."""
+    return torch.cat([fn(images[i:i + batch_size].to(device)).cpu() for i in range(0, len(images), batch_size)])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -84,9 +85,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         print(dump_config(cfg), end="")
         return 0
     summary = train_prior(cfg, PriorData, quiet=opts.quiet, stop_after=opts.stop_after)
-    from ddcl_vq.common.skeleton import teardown_distributed
-    teardown_distributed()
-    if not opts.quiet:
+    if not opts.quiet and os.environ.get("RANK", "0") == "0":  # under torchrun: one summary, from rank 0
         done = summary["step"] >= summary["steps"]
         print(f"{'done' if done else 'stopped'}: {summary['step']} of {summary['steps']} steps "
               f"({summary['train_seconds']:.0f} s this session, {summary['parameters']:,} parameters, "
@@ -191,7 +190,8 @@ def evaluate_main(argv: Optional[List[str]] = None) -> int:
 SUBCOMMANDS = {"train": train_main, "sample": sample_main, "evaluate": evaluate_main}
 
 
-def _dispatch(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
+    """``ddcl-vq prior SUBCOMMAND ...``: each subcommand's main is an :func:`~ddcl_vq.common.errors.entry_point`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -203,12 +203,7 @@ def _dispatch(argv: Optional[List[str]] = None) -> int:
     return int(SUBCOMMANDS[argv[0]](argv[1:]) or 0)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``ddcl-vq prior SUBCOMMAND ...``: each subcommand's main is an :func:`~ddcl_vq.common.errors.entry_point`."""
-    return _dispatch(argv)
-
-
-main.__wrapped__ = _dispatch  # what entry_point-wrapped mains expose (tests/test_cli.py checks every command)
+main.__wrapped__ = main  # dispatches to entry_points, unwrapped itself (tests/test_cli.py checks each main)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,9 @@ def check_labels(labels: np.ndarray, count: int, where: str) -> np.ndarray:
     if labels.shape[0] != count:
         raise PriorDataError(f"{where}: {labels.shape[0]} labels for {count} code maps")
     if labels.dtype.kind == "f":
-        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
-            bad = labels[~np.isfinite(labels) | (labels != np.round(labels))][0]
-            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad)!r} (a float label)")
+        bad = labels[~np.isfinite(labels) | (labels != np.round(labels))]
+        if len(bad):
+            raise PriorDataError(f"{where}: expected integer class labels, got {float(bad[0])!r} (a float label)")
     elif labels.dtype.kind not in "iub":
         raise PriorDataError(f"{where}: expected integer class labels, got dtype {labels.dtype}")
     labels = labels.astype(np.int64)
@@ -88,10 +88,16 @@ class PriorData:
     def __init__(self, cfg):
         if not cfg.data.train_tokens:
             raise PriorDataError("expected training tokens (--tokens FILE, or data.train_tokens=FILE), got none")
-        self.tokenizer = tokenizer_info(cfg.data.tokenizer)
-        self.num_codes = self.tokenizer["num_codes"]
+        if not cfg.data.tokenizer.strip():
+            raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
+        if not Path(cfg.data.tokenizer).is_dir():
+            raise PriorDataError(f"{cfg.data.tokenizer!r} is neither a run directory (config.yaml) nor an exported "
+                                 "model (config.json + model.safetensors)")
+        from ddcl_vq.tokenizer.tokens import load_source
+        tokenizer, tokenizer_cfg, _ = load_source(cfg.data.tokenizer)
+        self.num_codes, self.dataset = tokenizer.quantizer.num_codes, tokenizer_dataset(tokenizer, tokenizer_cfg)
         self.train = load_tokens(cfg.data.train_tokens, self.num_codes, "training token file")
-        grid = self.tokenizer["grid"]
+        grid = tokenizer.latent_shape()
         if grid and self.train.grid != tuple(grid):
             raise PriorDataError(f"training token file {cfg.data.train_tokens!r} holds {self.train.grid} code maps; "
                                  f"the tokenizer {cfg.data.tokenizer!r} makes {grid[0]}x{grid[1]} ones")
@@ -103,7 +109,6 @@ class PriorData:
             if tokens.grid != self.train.grid:
                 raise PriorDataError(f"test token file {path!r} holds {tokens.grid} code maps, the training tokens "
                                      f"{self.train.grid}")
-            # a test file without labels cannot be scored by a conditional prior
             if self.num_classes and (tokens.labels is None or int(tokens.labels.max()) >= self.num_classes):
                 raise PriorDataError(f"test token file {path!r}: a class-conditional prior needs its labels "
                                      f"in [0, {self.num_classes}) (set model.class_conditional=false for an "
@@ -113,22 +118,13 @@ class PriorData:
     def meta(self) -> Dict:
         return {"num_codes": self.num_codes, "grid": list(self.train.grid), "num_classes": self.num_classes,
                 "train_images": len(self.train.codes), "fingerprint": self.train.fingerprint(),
-                "dataset": self.tokenizer["data"].name if self.tokenizer.get("data") is not None else None,
-                "image_size": self.tokenizer["data"].image_size if self.tokenizer.get("data") is not None else None}
+                "dataset": getattr(self.dataset, "name", None), "image_size": getattr(self.dataset, "image_size", None)}
 
 
-def tokenizer_info(source: str | Path) -> Dict[str, Any]:
-    """-> {source, num_codes (the loaded quantizer's), data (a DataConfig, or None), grid (h, w) or None} of a
-    tokenizer: a run directory or an exported model folder."""
+def tokenizer_dataset(model, cfg) -> Any:
+    """The DataConfig a tokenizer (``load_source``'s model and config) was trained on, or None when not recorded."""
     from ddcl_vq.tokenizer.config import DataConfig
-    from ddcl_vq.tokenizer.tokens import load_source
-    if not str(source).strip():
-        raise PriorDataError("expected the tokenizer (a run directory or exported model folder), got none")
-    if not Path(source).is_dir():
-        raise PriorDataError(f"{str(source)!r} is neither a run directory (config.yaml) nor an exported model "
-                             "(config.json + model.safetensors)")
-    model, cfg, _ = load_source(source)
+    if cfg is not None:
+        return cfg.data
     d = model.config.get("data") or {}
-    data = cfg.data if cfg is not None else \
-        DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d else None
-    return {"source": str(source), "num_codes": model.quantizer.num_codes, "data": data, "grid": model.latent_shape()}
+    return DataConfig(name=d["name"], image_size=int(d["image_size"])) if "name" in d and "image_size" in d else None

@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ddcl_vq.common.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json
 from ddcl_vq.models.classifier import SmallClassifier
-from ddcl_vq.prior.classifier_train import ClassifierUnavailable, dataset_tensors, predict, train_classifier
-from ddcl_vq.prior.data import load_tokens, tokenizer_info
+from ddcl_vq.prior.classifier_train import ClassifierUnavailable, batched, dataset_tensors, train_classifier
+from ddcl_vq.prior.data import load_tokens, tokenizer_dataset
 from ddcl_vq.prior.sampling import sample_codes, sample_labels
 from ddcl_vq.prior.train import load_prior, nll_bits
 
@@ -72,12 +71,6 @@ def get_classifier(data_cfg, cache_dir: Optional[str | Path] = None, steps: int 
     return model, {**info, "cache": str(path), "cached": False}
 
 
-@torch.no_grad()
-def features(model: SmallClassifier, images: Tensor, batch_size: int = 500, device="cpu") -> np.ndarray:
-    return torch.cat([model.features(images[i:i + batch_size].to(device)).cpu()
-                      for i in range(0, len(images), batch_size)]).double().numpy()
-
-
 DEFINITIONS = """\
 bits/token      = mean over every code of the test token file of -log2 p(code | class, earlier codes
                   in raster order); a uniform prior scores log2 K
@@ -99,7 +92,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
     """Evaluate a prior directory; writes PRIOR_DIR/eval.json and PRIOR_DIR/samples.png (``write``)."""
     from ddcl_vq.common.data import build_dataset
     from ddcl_vq.tokenizer.decode import decode_indices, save_png
-    from ddcl_vq.tokenizer.tokens import load_model
+    from ddcl_vq.tokenizer.tokens import load_source
     prior_dir = Path(prior_dir)
     cfg, model, meta = load_prior(prior_dir, device)
     result: Dict = {"prior": str(prior_dir), "step": meta["step"], "num_codes": model.num_codes,
@@ -114,7 +107,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         first_test = first_test or tokens
     result.update(nll=nll[0] if nll else None, nll_files=nll)
 
-    decoder = load_model(cfg.data.tokenizer, device)
+    decoder, tokenizer_cfg, _ = load_source(cfg.data.tokenizer, device=device)
     labels = sample_labels(model, samples)
     t0 = time.perf_counter()
     codes = sample_codes(model, samples, labels, temperature, top_k, seed, batch_size, device)
@@ -127,7 +120,7 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         shown = min(samples, 10 * max(model.num_classes, 8))
         save_png(images[:shown], prior_dir / "samples.png", model.num_classes or 8)
 
-    data_cfg = tokenizer_info(cfg.data.tokenizer)["data"]
+    data_cfg = tokenizer_dataset(decoder, tokenizer_cfg)
     result["frechet"], result["classifier"], result["class_accuracy"] = None, None, None
     try:
         if data_cfg is None:
@@ -137,20 +130,23 @@ def evaluate_prior(prior_dir: str | Path, test_tokens: Optional[List[str]] = Non
         result["frechet_unavailable"] = str(err)
     else:
         result["classifier"] = info
+
+        def features(x: Tensor) -> np.ndarray:
+            return batched(classifier.features, x, device).double().numpy()
         x_real, _ = dataset_tensors(build_dataset(data_cfg, "test", 0), real)
-        f_real = features(classifier, x_real, device=device)
-        fd = {"samples_vs_real": frechet_distance(features(classifier, images, device=device), f_real),
+        f_real = features(x_real)
+        fd = {"samples_vs_real": frechet_distance(features(images), f_real),
               "num_samples": samples, "num_real": len(x_real), "feature_space": "penultimate layer (128) of a small "
               f"CNN trained here on {data_cfg.name} (test accuracy {info['test_accuracy']:.1%})",
               "note": "not Inception FID; not comparable to published FIDs"}
         if first_test is not None:
             n = min(len(first_test.codes), len(x_real), samples)
             recon = decode_indices(decoder, first_test.codes[:n].numpy(), batch_size, device)
-            fd["reconstructions_vs_real"] = frechet_distance(features(classifier, recon, device=device), f_real)
+            fd["reconstructions_vs_real"] = frechet_distance(features(recon), f_real)
             fd["num_reconstructions"] = n
         result["frechet"] = fd
         if labels is not None:
-            pred = predict(classifier, images, device=device)
+            pred = batched(lambda x: classifier(x).argmax(1), images, device)
             per = {int(c): float((pred[labels == c] == c).float().mean()) for c in range(model.num_classes)
                    if (labels == c).any()}
             result["class_accuracy"] = {"mean": float((pred == labels).float().mean()), "per_class": per,

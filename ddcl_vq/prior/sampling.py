@@ -88,19 +88,6 @@ def check_memory(model: CodePrior, decoder, count: int, device="cpu") -> None:
                           f"{fits:,} fits with room to spare; other --seed values give other samples)")
 
 
-def time_sampling(model: CodePrior, count: int = 64, use_cache: bool = True, repeats: int = 1,
-                  device="cpu") -> Tuple[float, float]:
-    """(median seconds to sample ``count`` maps, tokens per second)."""
-    labels = sample_labels(model, count)
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        sample_codes(model, count, labels, seed=r, batch_size=count, device=device, use_cache=use_cache)
-        times.append(time.perf_counter() - t0)
-    seconds = float(np.median(times))
-    return seconds, count * model.length / seconds
-
-
 def bench_prior(device: str = "cpu", count: int = 64, num_codes: int = 1024, grid: int = 8, repeats: int = 3,
                 no_cache: bool = True) -> Tuple[List[Dict], str]:
     """The prior row of ``ddcl-vq bench``: how fast the default prior (freshly initialised, 10 classes) samples
@@ -110,13 +97,19 @@ def bench_prior(device: str = "cpu", count: int = 64, num_codes: int = 1024, gri
     torch.manual_seed(0)
     model = CodePrior(num_codes, grid, grid, 10, dim=m.dim, layers=m.layers, heads=m.heads, mlp_ratio=m.mlp_ratio,
                       dropout=m.dropout).to(device).eval()
-    rows = []
+    labels, rows = sample_labels(model, count), []
     for name, cache in (("prior-sample-kvcache", True), ("prior-sample-nocache", False))[:2 if no_cache else 1]:
         runs = repeats if cache else 1  # without the cache it is O(L^3): one run says enough
-        time_sampling(model, min(count, 8), cache, 1, device)  # warm-up
-        seconds, rate = time_sampling(model, count, cache, runs, device)
+        sample_codes(model, min(count, 8), labels[:8], batch_size=8, device=device, use_cache=cache)  # warm-up
+        times = []
+        for r in range(runs):
+            t0 = time.perf_counter()
+            sample_codes(model, count, labels, seed=r, batch_size=count, device=device, use_cache=cache)
+            times.append(time.perf_counter() - t0)
+        seconds = float(np.median(times))
         rows.append({"impl": name, "images": count, "tokens": count * grid * grid, "K": num_codes, "dim": m.dim,
-                     "layers": m.layers, "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1), "repeats": runs})
+                     "layers": m.layers, "seconds": round(seconds, 4),
+                     "tokens_per_s": round(count * model.length / seconds, 1), "repeats": runs})
     text = [f"prior sampling (default prior: dim {m.dim}, {m.layers} layers, {m.heads} heads; K = {num_codes}, "
             f"{grid}x{grid} tokens, class-conditional; {torch.get_num_threads()} thread(s)):"]
     text += [f"  {r['impl']:<22} {r['images']} images in {r['seconds']:.2f} s  ({r['tokens_per_s']:,.0f} tokens/s, "

@@ -234,7 +234,7 @@ def train_prior(cfg: PriorConfig, load_data: Callable[[PriorConfig], Any], quiet
                    "steps_per_second": round((step - first) / seconds, 3) if seconds > 0 and step > first else None,
                    "parameters": sum(p.numel() for p in model.parameters()),
                    **{k: v for k, v in meta.items() if k != "fingerprint"}}
-        if step >= t.steps and test is not None:
+        if is_main and step >= t.steps and test is not None:  # the others' summaries are printed nowhere
             summary["test"] = last_test or nll_bits(model, test, max_images=t.eval_images, device=device)
             summary["test"]["file"] = test.path
         if is_main:
@@ -251,7 +251,7 @@ def load_prior(prior_dir: str | Path, device="cpu") -> Tuple[PriorConfig, CodePr
     prior_dir = Path(prior_dir)
     if not prior_dir.is_dir():
         raise PriorLoadError(f"prior directory {str(prior_dir)!r} does not exist")
-    found = latest_checkpoint(prior_dir / "checkpoints") if (prior_dir / "checkpoints").is_dir() else None
+    found = latest_checkpoint(prior_dir / "checkpoints")
     if found is None:
         raise PriorLoadError(f"prior directory {str(prior_dir)!r} has no checkpoint (expected "
                              f"{str(prior_dir / 'checkpoints' / 'last.pt')!r}); train it with ddcl-vq prior train")
