@@ -58,13 +58,16 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self.fd: Optional[int] = None
 
-    def _refuse(self) -> RunDirError:
+    def _holder(self) -> str:
+        """What the lock file says of its holder (OutLock's refusal names it too)."""
         try:
             holder = self.path.read_text().strip()
         except OSError:
             holder = ""
-        holder = holder or "a process that did not write its PID yet"
-        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({holder}); "
+        return holder or "a process that did not write its PID yet"
+
+    def _refuse(self) -> RunDirError:
+        return RunDirError(f"run directory {str(self.run_dir)!r} is in use by another training ({self._holder()}); "
                            f"wait for it to end or stop it, or give this one another run.dir (lock file: "
                            f"{str(self.path)!r})")
 
