@@ -190,8 +190,7 @@ def evaluate_main(argv: Optional[List[str]] = None) -> int:
 SUBCOMMANDS = {"train": train_main, "sample": sample_main, "evaluate": evaluate_main}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``ddcl-vq prior SUBCOMMAND ...``: each subcommand's main is an :func:`~ddcl_vq.common.errors.entry_point`."""
+def _dispatch(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -203,7 +202,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     return int(SUBCOMMANDS[argv[0]](argv[1:]) or 0)
 
 
-main.__wrapped__ = main  # dispatches to entry_points, unwrapped itself (tests/test_cli.py checks each main)
+def main(argv: Optional[List[str]] = None) -> int:
+    """``ddcl-vq prior SUBCOMMAND ...``: each subcommand's main is an :func:`~ddcl_vq.common.errors.entry_point`."""
+    return _dispatch(argv)
+
+
+main.__wrapped__ = _dispatch  # what entry_point-wrapped mains expose (tests/test_cli.py checks every command)
 
 
 if __name__ == "__main__":
