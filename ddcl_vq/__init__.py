@@ -2,10 +2,11 @@
 
 The library is pure torch + einops (no file system, nothing from the rest of the package), so it can
 be copied into another code base as it is. Its modules, each importing only those below it:
-adapters; ddcl, readout; temperature, mstep, arguments; assignment, statistics; fused; cpu_pool;
-the other quantizers (hard, ema, vqp, ibq, fvq, fsq, simvq, lfq: the peer library imported lazily);
+adapters; readout; ddcl (the DDCL quantizer's subpackage: its parts and their interface are in
+ddcl_vq/ddcl/__init__.py); the other quantizers, one module each (hard, ema, vqp, ibq, fvq, fsq,
+simvq, lfq: the peer library imported lazily);
 base, kmeans, usage, distributed, blocks. The allowed values of the quantizers' choice arguments
-are tuples in their modules (``ddcl_vq.arguments.DDCL_CHOICES``, ``ddcl_vq.hard.DISTANCES``,
+are tuples in their modules (``ddcl_vq.ddcl.arguments.DDCL_CHOICES``, ``ddcl_vq.hard.DISTANCES``,
 ``ddcl_vq.ibq.IBQ_LOGITS``).
 """
 from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapter, swap_quantizer

@@ -1,7 +1,7 @@
 """DDCL readout layer for transformer encoders, and a hierarchical compressor built from it.
 
 DDCL-Attention (arXiv 2604.03850) uses the soft prototype assignment in two more places, built here
-on :func:`ddcl_vq.assignment.assign` (the quantizer's assignment and decomposition code):
+on :func:`ddcl_vq.ddcl.assignment.assign` (the quantizer's assignment and decomposition code):
 
 1. :class:`DDCLReadout` replaces mean pooling or a class token. With K global prototypes W, every
    real token t of sequence b gets q_btk = softmax_k(−‖x_bt − w_k‖² / (τ·D)) and the soft summary
@@ -22,10 +22,10 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .assignment import assign
+from .ddcl.assignment import assign
 from .base import batch_perplexity, check_finite, check_positive_int, compute_dtype
 from .kmeans import kmeans_init_
-from .temperature import check_temperature
+from .ddcl.temperature import check_temperature
 
 PROTOTYPE_INITS = ("normal", "kmeans")
 READOUT_MODES = ("soft", "straight_through")

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import ddcl_vq.blocks as blocks
-import ddcl_vq.fused as fused
-from ddcl_vq import cpu_pool
-from ddcl_vq.assignment import assign
+import ddcl_vq.ddcl.fused as fused
+from ddcl_vq.ddcl import cpu_pool
+from ddcl_vq.ddcl.assignment import assign
 from ddcl_vq.blocks import block_rows, chunk_rows, nearest_other_code
-from ddcl_vq.statistics import soft_statistics
+from ddcl_vq.ddcl.statistics import soft_statistics
 
 GiB = 2**30
 

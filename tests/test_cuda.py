@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import ddcl_vq.blocks as blocks
-import ddcl_vq.fused as fused
+import ddcl_vq.ddcl.fused as fused
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.assignment import assign
-from ddcl_vq.statistics import soft_statistics
+from ddcl_vq.ddcl.assignment import assign
+from ddcl_vq.ddcl.statistics import soft_statistics
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here (torch.cuda.is_available() is False); "
@@ -99,7 +99,7 @@ def test_fused_chunked_reference_agree_on_cuda(mode, dtype, budget, block_counts
 
 @needs_cuda
 def test_assign_on_cuda_matches_cpu_and_never_uses_the_worker_pool(monkeypatch):
-    from ddcl_vq import cpu_pool
+    from ddcl_vq.ddcl import cpu_pool
     torch.manual_seed(0)
     z, w, up = torch.randn(5000, 8, dtype=torch.float64), torch.randn(300, 8, dtype=torch.float64), torch.randn(5000, 8)
     results = []

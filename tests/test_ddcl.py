@@ -9,7 +9,7 @@ import torch
 
 from ddcl_vq import EMAVQ, HardVQ
 from ddcl_vq import DDCLQuantizer as _DDCLQuantizer
-from ddcl_vq.assignment import assign
+from ddcl_vq.ddcl.assignment import assign
 
 
 def DDCLQuantizer(*args, **kw):
@@ -309,12 +309,13 @@ def test_baselines_have_neutral_interface_defaults(cls):
 
 
 def test_allowed_values_live_in_their_modules_and_hold_the_signature_defaults():
-    """The allowed values are tuples in their modules (DDCL_CHOICES in ddcl_vq.arguments, one per choice
+    """The allowed values are tuples in their modules (DDCL_CHOICES in ddcl_vq.ddcl.arguments, one per choice
     argument), not at the top level; the defaults only in the signatures, each one of its allowed values."""
     import inspect
 
     import ddcl_vq
-    from ddcl_vq import arguments, hard, ibq
+    from ddcl_vq import hard, ibq
+    from ddcl_vq.ddcl import arguments
     params = inspect.signature(_DDCLQuantizer).parameters
     for name, allowed in arguments.DDCL_CHOICES.items():
         assert params[name].default in allowed, name
@@ -334,7 +335,7 @@ def test_the_top_level_names_the_public_api():
     assert all(hasattr(ddcl_vq, name) for name in ddcl_vq.__all__) and ddcl_vq.__version__ == "0.2.0"
 
 
-@pytest.mark.parametrize("name", list(__import__("ddcl_vq.arguments").arguments.DDCL_CHOICES))
+@pytest.mark.parametrize("name", list(__import__("ddcl_vq.ddcl.arguments").ddcl.arguments.DDCL_CHOICES))
 def test_every_choice_argument_refuses_an_unknown_value(name):
     with pytest.raises(ValueError, match=rf"expected {name} in \(.*\), got 'nope'"):
         DDCLQuantizer(8, 4, **{name: "nope"})

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import ddcl_vq.blocks as blocks
-import ddcl_vq.fused as fused
-from ddcl_vq import DDCLQuantizer, cpu_pool
-from ddcl_vq.assignment import assign
+import ddcl_vq.ddcl.fused as fused
+from ddcl_vq import DDCLQuantizer
+from ddcl_vq.ddcl import cpu_pool
+from ddcl_vq.ddcl.assignment import assign
 from ddcl_vq.blocks import first_argmax
-from ddcl_vq.fused import DDCLFunction
+from ddcl_vq.ddcl.fused import DDCLFunction
 
 MODES = ["soft", "straight_through", "soft_straight_through"]
 # (N, K, D, chunk): chunk not dividing N, N < chunk, K = 1, K past the argmax block width

@@ -189,7 +189,7 @@ def test_wheel_installs_only_ddcl_vq_at_the_top(tmp_path):
 
 def test_the_development_install_is_the_source_folder():
     """scripts/setup.sh installs editable: every module imports from its file under ddcl_vq/."""
-    names = ["ddcl_vq.ddcl", "ddcl_vq.models.vqvae", "ddcl_vq.tokenizer.train", "ddcl_vq.studies.compare"]
+    names = ["ddcl_vq.ddcl.quantizer", "ddcl_vq.models.vqvae", "ddcl_vq.tokenizer.train", "ddcl_vq.studies.compare"]
     code = "import importlib, sys\nprint('\\n'.join(importlib.import_module(n).__file__ for n in sys.argv[1:]))\n"
     out = subprocess.run([sys.executable, "-c", code, *names], cwd="/", capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})

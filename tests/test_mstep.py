@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddcl_vq import DDCLQuantizer
-from ddcl_vq.statistics import soft_statistics
+from ddcl_vq.ddcl.statistics import soft_statistics
 
 
 def batch(n=64, d=4, seed=0, dtype=torch.float64):

@@ -4,10 +4,10 @@ quantizer trained for a few steps with either gives the same indices, revivals a
 import pytest
 import torch
 
-import ddcl_vq.ddcl as ddcl_module
+import ddcl_vq.ddcl.quantizer as ddcl_module
 from ddcl_vq import DDCLQuantizer
 from ddcl_vq.blocks import first_min
-from ddcl_vq.statistics import SoftStatistics, soft_statistics, statistics_rows
+from ddcl_vq.ddcl.statistics import SoftStatistics, soft_statistics, statistics_rows
 from ddcl_vq.base import squared_distances
 
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ddcl_vq import EMAVQ, DDCLQuantizer, FVQQuantizer, HardVQ, IBQQuantizer
 from ddcl_vq.ibq import IBQ_LOGITS
-from ddcl_vq.arguments import DDCL_CHOICES
+from ddcl_vq.ddcl.arguments import DDCL_CHOICES
 from ddcl_vq.models.vqvae import QUANTIZER_TYPES, Encoder
 
 from ddcl_vq.common.config import (ConfigError, Rules, apply, check, check_finite, did_you_mean, differences,

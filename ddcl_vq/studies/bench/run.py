@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ddcl_vq.fused import release_buffers
+from ddcl_vq.ddcl.fused import release_buffers
 from ddcl_vq.studies.bench.steps import (FLOOR_MATMULS, Plan, calibrate, e2e_rows, make_inputs, make_step,
                                         plan_measurements, time_once, vqgan_rows)
 

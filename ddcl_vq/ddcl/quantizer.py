@@ -10,9 +10,9 @@ Math (z_i ∈ R^D, codebook W ∈ R^{K×D}, τ the temperature, s the softmax di
 The codebook is DDCL's own M-step: an EMA (``decay``) of Σ_i q_ik z_i over an EMA of Σ_i q_ik, the
 codebook that minimises L_q at fixed assignments; every code has positive mass, so every code moves
 toward the data every step. ``loss`` is a per-element mean (the sum-over-D terms / D), the scale of a
-VQ-VAE loss written with ``F.mse_loss``. The assignment is :mod:`ddcl_vq.assignment`, the M-step's
-statistics :mod:`ddcl_vq.statistics`, τ :mod:`ddcl_vq.temperature`, the codebook's running state
-:mod:`ddcl_vq.mstep`, the allowed argument values :mod:`ddcl_vq.arguments`.
+VQ-VAE loss written with ``F.mse_loss``. The assignment is :mod:`ddcl_vq.ddcl.assignment`, the M-step's
+statistics :mod:`ddcl_vq.ddcl.statistics`, τ :mod:`ddcl_vq.ddcl.temperature`, the codebook's running state
+:mod:`ddcl_vq.ddcl.mstep`, the allowed argument values :mod:`ddcl_vq.ddcl.arguments`.
 """
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ from torch import Tensor, nn
 from .arguments import (CODEBOOK_INITS, DDCL_CHOICES, IMPLEMENTATIONS, MODES, TEMPERATURE_SCHEDULES,
                         check_arguments)
 from .assignment import Assignment, assign
-from .base import QuantizerOutput, Quantizer, compute_dtype, flatten, unflatten
+from ..base import QuantizerOutput, Quantizer, compute_dtype, flatten, unflatten
 from .mstep import MStepCodebook
 from .statistics import soft_statistics
 from .temperature import TemperatureSchedule
 
-# the allowed values live in ddcl_vq.arguments and are readable here too (ddcl_vq.ddcl.DDCL_CHOICES ...)
+# the allowed values live in ddcl_vq.ddcl.arguments and are readable here too (ddcl_vq.ddcl.DDCL_CHOICES ...)
 __all__ = ["DDCLQuantizer", "TRUNCATE_ABOVE", "TRUNCATED_SUPPORT", "STATE_BUFFERS", "DDCL_CHOICES", "MODES",
            "CODEBOOK_INITS", "TEMPERATURE_SCHEDULES", "IMPLEMENTATIONS"]
 
 #: above this many codes the M-step's soft statistics use each vector's TRUNCATED_SUPPORT nearest
-#: codes (see :func:`ddcl_vq.statistics.soft_statistics`); up to it, every code (exact)
+#: codes (see :func:`ddcl_vq.ddcl.statistics.soft_statistics`); up to it, every code (exact)
 TRUNCATE_ABOVE = 4096
 TRUNCATED_SUPPORT = 64
 #: the saved buffers, each with what a ddcl-vq 0.1.0 state_dict without it was saved before
@@ -77,7 +77,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             process; repeated seeds get a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) or
             ``"normal"`` N(0, 1) (a codebook that is loaded or copied in keeps its values).
         channel_dim: 1 for (B, D, *spatial) inputs, −1 for (..., D).
-        implementation: the soft modes' assignment path (:func:`ddcl_vq.assignment.assign`); ``"auto"``
+        implementation: the soft modes' assignment path (:func:`ddcl_vq.ddcl.assignment.assign`); ``"auto"``
             (default): fused, or chunked when fused's N×K tensor would exceed ``chunk_threshold_bytes``.
         chunk_size: rows per block for fused/chunked (default :func:`ddcl_vq.blocks.block_rows`).
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .blocks import nearest_codes
-from .distributed import all_reduce_sum_, broadcast_, world_size
-from .kmeans import kmeans_init_
+from ..blocks import nearest_codes
+from ..distributed import all_reduce_sum_, broadcast_, world_size
+from ..kmeans import kmeans_init_
 from .statistics import SoftStatistics
 
 __all__ = ["MStepCodebook"]

@@ -6,7 +6,7 @@
 * ``"reference"``: plain autograd, several N×K tensors kept for backward; the only path that
   returns the assignment matrix q and differentiates the codebook (:class:`~ddcl_vq.DDCLReadout`'s);
 * ``"fused"``: rows in blocks, each N×K block produced, used and dropped while it is still in
-  cache, with z's gradient written out by hand (:class:`ddcl_vq.fused.DDCLFunction`); keeps q;
+  cache, with z's gradient written out by hand (:class:`ddcl_vq.ddcl.fused.DDCLFunction`); keeps q;
 * ``"chunked"``: like fused, but recomputes each block in backward: extra memory O(chunk·K).
 
 Math (s the softmax divisor; z and W are centred on the codebook mean first):
@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import compute_dtype, squared_distances
-from .blocks import block_rows
+from ..base import compute_dtype, squared_distances
+from ..blocks import block_rows
 from .fused import DDCLFunction
 
 __all__ = ["IMPLEMENTATIONS", "Assignment", "assign"]

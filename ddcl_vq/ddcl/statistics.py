@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .blocks import block_rows, first_min, softmax_into
+from ..blocks import block_rows, first_min, softmax_into
 
 __all__ = ["SoftStatistics", "soft_statistics", "statistics_rows", "STATISTICS_BLOCK_ELEMENTS",
            "STATISTICS_BLOCK_ELEMENTS_LARGE"]

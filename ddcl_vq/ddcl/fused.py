@@ -5,7 +5,7 @@ blocks, with its backward written out by hand.
   N×K assignments q are kept for backward (their CPU buffer reused: :func:`set_buffer_reuse`);
 * chunked: the same, but q is recomputed per block in backward: extra memory O(chunk·K).
 
-The blocks run on :mod:`ddcl_vq.cpu_pool` on the CPU; :func:`ddcl_vq.assignment.assign` is the public entry.
+The blocks run on :mod:`ddcl_vq.ddcl.cpu_pool` on the CPU; :func:`ddcl_vq.ddcl.assignment.assign` is the public entry.
 
 Analytic backward (z's gradient only: the codebook is a constant here, the M-step trains it). With an
 upstream gradient G (N×D) on ẑ and g on L, the gradient reaching d is the softmax Jacobian's
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .blocks import first_argmax, softmax_into
+from ..blocks import first_argmax, softmax_into
 from .cpu_pool import run_blocks
 
 __all__ = ["DDCLFunction", "set_buffer_reuse", "release_buffers", "REUSE_MAX_BYTES", "REUSE_MAX_BUFFERS"]
@@ -231,7 +231,7 @@ class DDCLFunction(torch.autograd.Function):
     """(z, w) -> (ẑ, L_q, ols, variance, indices, soft_counts) with an analytic backward to z.
 
     Only ẑ and L_q are differentiable, and only in z: the codebook ``w`` is a constant (the M-step
-    trains it; :func:`ddcl_vq.assignment.assign` refuses a codebook that asks for a gradient).
+    trains it; :func:`ddcl_vq.ddcl.assignment.assign` refuses a codebook that asks for a gradient).
     ``store``: keep the N×K assignments q for backward ("fused") or recompute them ("chunked").
     """
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .arguments import TEMPERATURE_SCHEDULES
-from .base import check_finite
+from ..base import check_finite
 
 __all__ = ["TemperatureSchedule", "scheduled_temperature", "check_temperature"]
 
