@@ -96,7 +96,7 @@ def test_copied_and_moved_runs_train_their_own_folder(tmp_path, capsys, monkeypa
 # --------------------------------------------------------------------------- 2. resume = straight run
 
 #: revival fires within the first steps (a code below half its share of the batch is re-seeded)
-REVIVING = [*TINY, "quantizer.revive_threshold=0.5", "quantizer.warmup_steps=0", "train.steps=16",
+REVIVING = [*TINY, "quantizer.revive_threshold=0.5", "quantizer.warmup_steps=0", "train.steps=16", "train.threads=2",
             "train.checkpoint_every=4"]
 
 
@@ -154,6 +154,33 @@ def test_kill_9_between_checkpoints_resumes_as_the_straight_run_and_logs_each_st
     same_weights(straight_run / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time", "wall")} for r in rs]  # noqa: E731
     assert strip(records(run)) == strip(records(straight_run))  # each step once, the straight run's values
+
+
+def test_a_resumed_run_keeps_the_thread_count_it_was_trained_with_whatever_the_load(straight_run, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Automatic threads (no train.threads): a run started where the choice was 2 threads and resumed where it
+    would be 1 (here through OMP_NUM_THREADS, what a loaded machine does through the idle-core count) trains on
+    with 2, says so, and ends bit for bit as the uninterrupted 2-thread run; a count set on resume wins, and
+    the resume says that it is not the count the run was trained with."""
+    auto = ["--config", "configs/fashion_ddcl.yaml", *(a for a in REVIVING if not a.startswith("train.threads="))]
+    before = torch.get_num_threads()
+    try:
+        run = tmp_path / "auto"
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert train_main([*auto, f"run.dir={run}", "--quiet", "--stop-after", "7"]) == 0
+        assert load_checkpoint(run / "checkpoints" / "last.pt")["threads"] == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        capsys.readouterr()
+        assert train_main([*auto, f"run.dir={run}"]) == 0
+        assert "with the 2 threads it was trained with" in capsys.readouterr().err
+        same_weights(straight_run / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+        told = tmp_path / "told"
+        assert train_main([*auto, f"run.dir={told}", "--quiet", "--stop-after", "7"]) == 0  # 1 thread
+        capsys.readouterr()
+        assert train_main([*auto, f"run.dir={told}", "train.threads=2"]) == 0
+        assert "with 2 as set (trained with 1 thread: not bit-identical" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------- 3. 16-bit images

@@ -203,9 +203,14 @@ class TrainingRun:
         step = self.step = self._kept = int(state["step"])
         saved = state.get("threads")
         same = ""
-        if self.threads is None and self.device.type == "cpu" and saved and saved != torch.get_num_threads():
-            torch.set_num_threads(int(saved))  # the count the run was trained with: the same bits
-            same = f" with the {saved} thread{'s' if saved > 1 else ''} it was trained with"
+        if self.device.type == "cpu" and saved and saved != torch.get_num_threads():
+            trained = f"{saved} thread{'s' if saved > 1 else ''}"
+            if self.threads is None:  # automatic: the count the run was trained with, whatever the load now
+                torch.set_num_threads(int(saved))
+                same = f" with the {trained} it was trained with"
+            else:
+                same = (f" with {torch.get_num_threads()} as set (trained with {trained}: not bit-identical to an "
+                        "uninterrupted run)")
         if announce and self.is_main and not self.quiet:
             print(f"resuming {self.dir} from {path.name} at step {step}{same}", file=sys.stderr)
         return step

@@ -213,6 +213,8 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
     aside); a finished run is left as it is; when the end-of-run evaluation fails, the training is kept and the same
     command again only evaluates."""
     t = cfg.train
+    if t.threads is not None:  # set: in every entry (the commands choose the automatic count before calling this)
+        threads.set_threads(t.threads)
     run = TrainingRun(cfg.run.dir, t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every,
                       name=cfg.run.name, device=t.device, quiet=quiet, stop_after=stop_after, config=cfg.to_dict(),
                       threads=t.threads)
