@@ -323,6 +323,9 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
         print(f"warning: train.steps={t.steps} ends inside the quantizer's warm-up (quantizer.warmup_steps={warmup}): "
               "the decoder has not yet been trained on codes alone, so code use and hard-code quality are not yet "
               f"meaningful (DDCL can look collapsed); train at least {warmup} steps to compare", file=sys.stderr)
+    for module in model.modules():  # this loop says it above, once a run: not again at every checkpoint and image
+        if hasattr(module, "warn_inside_warmup"):
+            module.warn_inside_warmup = False
     ddp_model.train()
     for step, (images, _) in run.steps(batches, step):
         x = images.to(device, non_blocking=True)
