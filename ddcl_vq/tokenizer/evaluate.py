@@ -131,7 +131,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
                             f"{str(run_dir / 'checkpoints' / 'last.pt')!r}); train it first")
     state, path = found
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ρ ≤ 1 training warnings are irrelevant here
+        warnings.simplefilter("ignore")  # building the model: construction warnings (e.g. a peer's) are irrelevant here
         model = build_model(cfg, image_channels(cfg.data))
     load_into(model, state["model"], path)
     step = int(state["step"])
