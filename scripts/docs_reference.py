@@ -1,4 +1,5 @@
-"""The tables of docs/reference/config.md and the commands of docs/reference/cli.md, generated from the code.
+"""The tables of docs/reference/config.md, the commands of docs/reference/cli.md and the report definitions of
+docs/reference/quantizer.md, generated from the code.
 
     .venv/bin/python scripts/docs_reference.py            # rewrite the blocks between the markers
     .venv/bin/python scripts/docs_reference.py --check    # exit 1, naming the page, when one differs from the code
@@ -169,6 +170,14 @@ def cli_blocks() -> Dict[str, str]:
     return {"commands": "\n".join(out)}
 
 
+def definition_blocks() -> Dict[str, str]:
+    """quantizer.md: the definitions the reports print (``ddcl_vq.USAGE_DEFINITIONS``; reconstruction and geometry)."""
+    from ddcl_vq import USAGE_DEFINITIONS
+    from ddcl_vq.tokenizer.metrics import GEOMETRY_DEFINITIONS, RECON_DEFINITIONS
+    return {"usage_definitions": f"```\n{USAGE_DEFINITIONS}\n```",
+            "report_definitions": f"```\n{RECON_DEFINITIONS}\n{GEOMETRY_DEFINITIONS}\n```"}
+
+
 def expected(page: Path, make: Callable[[], Dict[str, str]]) -> str:
     """What ``page`` must hold: its text with every block ``make`` writes in place (ValueError for one it lacks)."""
     blocks = make()
@@ -180,7 +189,7 @@ def expected(page: Path, make: Callable[[], Dict[str, str]]) -> str:
 
 
 PAGES = {ROOT / "docs" / "reference" / name: functools.partial(expected, ROOT / "docs" / "reference" / name, make)
-         for name, make in (("config.md", config_blocks), ("cli.md", cli_blocks))}
+         for name, make in (("config.md", config_blocks), ("cli.md", cli_blocks), ("quantizer.md", definition_blocks))}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,6 +16,7 @@ statistics :mod:`ddcl_vq.ddcl.statistics`, τ :mod:`ddcl_vq.ddcl.temperature`, t
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -72,7 +73,9 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             ``revived`` buffer.
         warmup_steps: during the first ``warmup_steps`` training forwards the decoder sees
             z + α·(out − z), α rising linearly from 0 to 1 (the gradient is out's); counted by training
-            forwards, not :meth:`step`. 0 turns it off.
+            forwards, not :meth:`step`. 0 turns it off. A quantizer that had training forwards in this
+            process but is evaluated, or its ``state_dict`` taken, before its warm-up ended warns once
+            (``warn_inside_warmup = False`` silences it, for a caller that reports it itself).
         codebook_init: ``"kmeans"`` (default: k-means on the first training batch, identical on every
             process; repeated seeds get a small deterministic jitter), ``"uniform"`` U(−1/K, 1/K) or
             ``"normal"`` N(0, 1) (a codebook that is loaded or copied in keeps its values).
@@ -90,6 +93,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
     """
 
     has_soft_codes = True
+    #: warn (once) when evaluated or saved before the warm-up ended; ``ddcl-vq train`` sets it False (it warns itself)
+    warn_inside_warmup = True
 
     def __init__(self, num_codes: int, dim: int, *, temperature: float = 0.03,
                  temperature_final: Optional[float] = None, temperature_schedule: str = "constant",
@@ -130,6 +135,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         # step(), so a host's training loop that never calls step() still leaves the warm-up
         self.register_buffer("warmup_batches", torch.zeros((), dtype=torch.long))
         self._warmup_over = warmup_steps == 0  # host-side: past it, forward reads no buffer (no sync)
+        self._warmup_forwards = 0  # training forwards inside the warm-up in this instance (not loaded ones)
+        self._warned_inside_warmup = False
 
     def log_stats(self) -> Dict[str, float]:
         """``temperature``: the τ of the last forward in training mode (the current τ before any);
@@ -156,7 +163,22 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         scale = float(self.distance_scale)
         return tau * (scale if scale > 0 else self.dim)
 
+    def _warn_if_inside_warmup(self, what: str) -> None:
+        """Once per instance: ``what`` (evaluated, saved) happens after some, but not all, of the warm-up's
+        training forwards (none in this instance, e.g. a loaded checkpoint: no warning)."""
+        if self._warmup_over or not self._warmup_forwards or self._warned_inside_warmup or not self.warn_inside_warmup:
+            return
+        seen = int(self.warmup_batches)
+        if seen >= self.warmup_steps:
+            return
+        self._warned_inside_warmup = True
+        warnings.warn(f"DDCLQuantizer {what} after {seen} of its {self.warmup_steps} warm-up training forwards "
+                      f"(warmup_steps={self.warmup_steps}): the decoder still sees a blend of z and its code, so code "
+                      "use and hard-code quality look collapsed; train past the warm-up, or pass warmup_steps=0 for "
+                      "a short test", UserWarning, stacklevel=3)
+
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._warn_if_inside_warmup("saved")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "schedule"] = self.schedule_tensor()
 
@@ -174,6 +196,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
                                       error_msgs)
         self._load_schedule(state_dict, prefix, unexpected_keys, error_msgs)
         self._warmup_over = self.warmup_steps == 0  # re-read the loaded position at the next forward
+        self._warmup_forwards = 0  # the loaded training is not this instance's: no warm-up warning for it
 
     @property
     def codebook(self) -> Tensor:
@@ -200,6 +223,8 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
         tau = self.temperature
         if self.training:
             self._last_temperature = tau
+        else:
+            self._warn_if_inside_warmup("evaluated")
         blend = self._begin_batch(x.detach()) if self.training else 1.0
         scale = self.softmax_scale(tau)
         w = self.weight.detach().to(x.dtype, copy=True)
@@ -238,6 +263,7 @@ class DDCLQuantizer(TemperatureSchedule, MStepCodebook, Quantizer):
             seen = int(self.warmup_batches)
             if seen < self.warmup_steps:
                 self.warmup_batches.add_(1)
+                self._warmup_forwards += 1
                 return seen / self.warmup_steps
             self._warmup_over = True
         return 1.0

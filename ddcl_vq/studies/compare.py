@@ -31,7 +31,7 @@ from ddcl_vq.common.config import Options, Rules, option
 from ddcl_vq.common.threads import set_threads, threads_option
 from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, EvaluateError
 from ddcl_vq.studies.freshness import ensure_eval, needs_eval
-from ddcl_vq.tokenizer.metrics import definitions
+from ddcl_vq.tokenizer.metrics import DEFINITIONS_HINT, definitions
 from ddcl_vq.studies.plots import write_plots
 from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, make_row, markdown_table, unique_names, write_tables
 
@@ -121,6 +121,7 @@ class CompareOptions:
     batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     grid_images: int = option(8, "test images in reconstructions.png")
     quiet: bool = option(False, "no table on stdout")
+    verbose: bool = option(False, "print the definitions of the columns and figures after the table")
     threads: Optional[int] = threads_option()
 
 
@@ -143,8 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise
     if not opts.quiet:
         print(markdown_table(rows))
-        print(f"\nwrote table.md, table.csv, table.json and 4 plots to {opts.out}")
-        print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions())
+        print(f"wrote table.md, table.csv, table.json (every column) and 4 plots to {opts.out}")
+        print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions() if opts.verbose else
+              DEFINITIONS_HINT.replace("--verbose, or", "--verbose, table.md, or"))
     return 0
 
 

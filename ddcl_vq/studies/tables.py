@@ -25,8 +25,16 @@ COLUMNS = [  # (key, header, format)
     ("dead_codes", "dead codes", "d"), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
     ("train_seconds", "train time (s)", ".0f"), ("ms_per_step", "ms/step", ".1f"),
 ]
+#: the columns of table.md and of what compare prints: those of the results tables in docs/results.md (PSNR, LPIPS,
+#: SSIM on hard codes, codes used, dead codes, perplexity) after what names the run; every other column of COLUMNS,
+#: and more, is in table.csv and table.json
+TABLE_KEYS = ("name", "type", "num_codes", "settings", "hard_psnr", "hard_lpips", "hard_ssim", "utilization",
+              "dead_codes", "perplexity")
+TABLE_COLUMNS = [next(c for c in COLUMNS if c[0] == key) for key in TABLE_KEYS]
 
 COLUMN_DEFINITIONS = """\
+table.md shows run, quantizer, K, settings, PSNR/LPIPS/SSIM hard, utilization, dead codes and perplexity (the
+                  columns of docs/results.md); table.csv and table.json add the others defined here and more
 settings        = what distinguishes the arm: DDCL mode, temperature tau (relative to the data's
                   nearest-code distance; a -> b when annealed, with the schedule), the M-step codebook
                   (with its statistics' decay when set), init other than k-means, revival threshold,
@@ -104,7 +112,7 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         "num_images": ev["num_images"]}
 
 
-def markdown_table(rows: Sequence[Dict], columns: Sequence[Tuple[str, str, Any]] = COLUMNS) -> str:
+def markdown_table(rows: Sequence[Dict], columns: Sequence[Tuple[str, str, Any]] = TABLE_COLUMNS) -> str:
     """The one markdown table writer: a header of the columns' headers, one line per row. A column is (key, header,
     format): a format spec for :func:`fmt` (``—`` for None) of ``row[key]``, or a callable row -> cell."""
     def cell(row: Dict, key: str, spec: Any) -> str:

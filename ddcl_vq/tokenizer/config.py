@@ -117,7 +117,7 @@ def quantizer_keys(qtype: str) -> List[str]:
 class TrainConfig:
     steps: int = 1000
     lr: float = 2e-3                         # encoder/decoder learning rate (AdamW)
-    codebook_lr_ratio: float = 3.0           # rho: codebook lr = rho * lr (DDCL timescale condition: rho > 1)
+    codebook_lr_ratio: float = 3.0           # rho: lr of gradient-trained quantizer params; none in ddcl, ema
     weight_decay: float = 0.0
     lr_schedule: str = "cosine"              # constant | cosine (to 10% of lr) | anneal (FVQ's: skeleton.lr_schedule)
     quantizer_loss_weight: float = 1.0

@@ -39,7 +39,8 @@ from ddcl_vq.common.skeleton import setup_distributed
 from ddcl_vq.common.threads import set_threads, threads_option
 from ddcl_vq.tokenizer.builders import build_model
 from ddcl_vq.tokenizer.config import ConfigError, differences, load_config
-from ddcl_vq.tokenizer.metrics import ImageMetricSums, build_lpips, codebook_geometry, definitions, rfid_availability
+from ddcl_vq.tokenizer.metrics import (DEFINITIONS_HINT, ImageMetricSums, build_lpips, codebook_geometry,
+                                     definitions, rfid_availability)
 
 #: images per batch of every evaluation pass; lower it where memory is short
 EVAL_BATCH_SIZE = 256
@@ -131,7 +132,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = (), device: torch.d
                             f"{str(run_dir / 'checkpoints' / 'last.pt')!r}); train it first")
     state, path = found
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ρ ≤ 1 training warnings are irrelevant here
+        warnings.simplefilter("ignore")  # building the model: construction warnings (e.g. a peer's) are irrelevant here
         model = build_model(cfg, image_channels(cfg.data))
     load_into(model, state["model"], path)
     step = int(state["step"])
@@ -240,8 +241,11 @@ def write_eval(run_dir: Path, ev: Dict, path: Optional[Path] = None) -> Path:
     return write_json(Path(path) if path is not None else Path(run_dir) / "eval.json", ev, EvaluateError)
 
 
-def format_report(ev: Dict) -> str:
-    """The evaluate table and the definitions, as printed by the command."""
+def format_report(ev: Dict, verbose: bool = False) -> str:
+    """What the command prints: a summary of at most 11 lines (the caller adds 'wrote PATH'); ``verbose``: the
+    tables, the command and the definitions."""
+    if not verbose:
+        return _short_report(ev)
     q = ev["quantizer"]
     desc = f"{q['type']} K={q['num_codes']} D={q['dim']}"
     if "mode" in q:
@@ -276,6 +280,36 @@ def format_report(ev: Dict) -> str:
     return "\n".join(lines)
 
 
+def _short_report(ev: Dict) -> str:
+    q, c, rec = ev["quantizer"], ev["codebook"], ev["recon"]
+    desc = f"{q['type']} K={q['num_codes']} D={q['dim']}" + (
+        f" mode={q['mode']} τ={q['temperature']:g}" if "mode" in q else "")
+    lines = [f"{ev['run']}  step {ev['step']}  {desc}",
+             f"{ev['dataset']} {ev['split']} split, {ev['num_images']} images "
+             f"({ev['latent_positions_per_image']} latent positions each)"]
+    for name in ("hard", "soft"):
+        r = rec.get(name)
+        if r is not None:
+            gap = rec.get("soft_minus_hard") if name == "soft" else None
+            lines.append(f"{name} codes: MSE {fmt(r['mse'], '.5f')}  PSNR {fmt(r['psnr'], '.2f')} dB  "
+                         f"SSIM {fmt(r['ssim'], '.4f')}  LPIPS {fmt(r['lpips'], '.4f')}"
+                         + (f"   (soft − hard: PSNR {fmt(gap['psnr'], '+.2f')} dB)" if gap else ""))
+    soft_ppl = f", soft perplexity {fmt(c['soft_perplexity'], '.1f')}" if c.get("soft_perplexity") is not None else ""
+    lines.append(f"codebook: utilization {c['utilization']:.1%} ({c['active_codes']} active, {c['dead_codes']} dead; "
+                 f"ceiling {fmt(c.get('utilization_ceiling'), '.1%')} for {c.get('num_vectors', 0):,} vectors), "
+                 f"perplexity {c['perplexity']:.1f}{soft_ppl}, entropy {c['entropy_bits']:.2f} bits")
+    if c.get("queue_utilization") is not None:
+        lines.append(f"training's last indices: queue {fmt(c.get('queue_utilization'), '.1%')} of "
+                     f"{fmt(c.get('queue_indices'), ',')} (ceiling {fmt(c.get('queue_ceiling'), '.1%')}), per batch "
+                     f"{fmt(c.get('batch_utilization'), '.1%')} (ceiling {fmt(c.get('batch_ceiling'), '.1%')})")
+    lines.append(f"code distances: min {fmt(c['min_code_distance'], '.4g')}, mean {fmt(c['mean_code_distance'], '.4g')}"
+                 f" (all codes); min {fmt(c['min_active_code_distance'], '.4g')}, mean "
+                 f"{fmt(c['mean_active_code_distance'], '.4g')} (active)")
+    lines.append(f"LPIPS: {ev['lpips_note']}; rFID: {fmt(ev['rfid'], '.3f')} ({ev['rfid_note']})")
+    lines.append(DEFINITIONS_HINT)
+    return "\n".join(lines)
+
+
 @dataclass(kw_only=True)
 class EvaluateOptions:
     run_dir: str = option(help="a run directory written by ddcl-vq train", positional=True)
@@ -283,6 +317,7 @@ class EvaluateOptions:
     max_images: int = option(0, "first N images of the split (0 = all)")
     batch_size: int = option(EVAL_BATCH_SIZE, "images per batch")
     quiet: bool = option(False, "no progress bar or table")
+    verbose: bool = option(False, "print the full tables, the command and the definitions of every figure")
     threads: Optional[int] = threads_option()
     out: Optional[str] = option(None, "write the evaluation here instead of RUN_DIR/eval.json: a .json file, or a "
                                       "folder to write eval.json into (e.g. for a read-only, archived run)",
@@ -316,9 +351,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         path = write_eval(Path(opts.run_dir), ev, path)
     except EvaluateError:
-        print(format_report(ev))  # the results, even when they cannot be saved
+        print(format_report(ev, opts.verbose))  # the results, even when they cannot be saved
         raise
     if not opts.quiet:
-        print(format_report(ev))
-        print(f"\nwrote {path}")
+        print(format_report(ev, opts.verbose))
+        print(f"wrote {path}")
     return 0

@@ -35,6 +35,10 @@ min_code_distance / mean_code_distance               = over all K codes
 min_active_code_distance / mean_active_code_distance = over active codes only (null if < 2)"""
 
 
+#: where the definitions behind a report's figures are, when a command does not print them (one line)
+DEFINITIONS_HINT = "definitions of these figures: --verbose, or docs/reference/quantizer.md#what-the-reports-print"
+
+
 def definitions() -> str:
     """All metric definitions, as printed under every report."""
     return "\n".join(["reconstruction:", _indent(RECON_DEFINITIONS), "codebook usage (dataset level):",

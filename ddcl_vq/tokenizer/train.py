@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ddcl_vq import USAGE_DEFINITIONS, CodebookUsage, UsageStats
+from ddcl_vq import CodebookUsage, UsageStats
 from ddcl_vq.usage import RecentUsage
 from ddcl_vq.distributed import all_reduce_sum_
 from ddcl_vq.models import VQVAE, VQVAEOutput
@@ -40,6 +40,7 @@ from ddcl_vq.tokenizer.config import (Config, TrainConfig, check_resume, dump_co
 from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, reconstruction_pass
 from ddcl_vq.tokenizer.losses import GANStep
 from ddcl_vq.tokenizer.memory import NotEnoughMemory, check_fits
+from ddcl_vq.tokenizer.metrics import DEFINITIONS_HINT, definitions
 from ddcl_vq.tokenizer.tokens import init_from_export
 
 
@@ -206,12 +207,12 @@ class EndOfRunEvaluationFailed(UserError, RuntimeError):
     """Training finished and was saved, but the end-of-run evaluation failed."""
 
 
-def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) -> Dict:
+def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None, verbose: bool = False) -> Dict:
     """Train (or resume) the run described by ``cfg``; returns the end-of-run summary. ``stop_after``: leave after this
     many steps of this session, with a checkpoint (pre-emptible jobs; SIGTERM and SIGINT do the same and raise
     :class:`~ddcl_vq.common.errors.Stopped`). A run resumes only with the config it was trained with (RESUMABLE keys
     aside); a finished run is left as it is; when the end-of-run evaluation fails, the training is kept and the same
-    command again only evaluates."""
+    command again only evaluates. ``verbose``: the printed summary ends with the usage definitions."""
     t = cfg.train
     if t.threads is not None:  # set: in every entry (the commands choose the automatic count before calling this)
         threads.set_threads(t.threads)
@@ -220,7 +221,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
                       threads=t.threads)
     try:
         with run:
-            return _train(cfg, run)
+            return _train(cfg, run, verbose)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err):
             raise NotEnoughMemory(f"out of memory on {run.device} ({one_line(err)}); lower quantizer.num_codes "
@@ -228,7 +229,7 @@ def train(cfg: Config, quiet: bool = False, stop_after: Optional[int] = None) ->
         raise
 
 
-def _train(cfg: Config, run: TrainingRun) -> Dict:
+def _train(cfg: Config, run: TrainingRun, verbose: bool = False) -> Dict:
     world, device, is_main, t = run.world, run.device, run.is_main, cfg.train
     t_setup = time.time()
     torch.manual_seed(cfg.run.seed)
@@ -302,7 +303,7 @@ def _train(cfg: Config, run: TrainingRun) -> Dict:
     if is_main:
         write_json(run.dir / "summary.json", summary)
         if not run.quiet:
-            print(format_summary(summary, run.dir))
+            print(format_summary(summary, run.dir, verbose))
     return summary
 
 
@@ -325,6 +326,9 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
         print(f"warning: train.steps={t.steps} ends inside the quantizer's warm-up (quantizer.warmup_steps={warmup}): "
               "the decoder has not yet been trained on codes alone, so code use and hard-code quality are not yet "
               f"meaningful (DDCL can look collapsed); train at least {warmup} steps to compare", file=sys.stderr)
+    for module in model.modules():  # this loop says it above, once a run: not again at every checkpoint and image
+        if hasattr(module, "warn_inside_warmup"):
+            module.warn_inside_warmup = False
     ddp_model.train()
     for step, (images, _) in run.steps(batches, step):
         x = images.to(device, non_blocking=True)
@@ -334,7 +338,8 @@ def _steps(cfg: Config, run: TrainingRun, model: VQVAE, optimizer, scheduler, ba
     return run.step
 
 
-def format_summary(summary: Dict, run_dir: Path) -> str:
+def format_summary(summary: Dict, run_dir: Path, verbose: bool = False) -> str:
+    """The end-of-run summary (at most 12 lines; ``verbose``: with the usage definitions)."""
     done = "hard" in summary
     lines = [f"done: {summary['step']} steps ({summary['train_seconds']:.0f} s this session) -> {run_dir}" if done else
              f"stopped at step {summary['step']} ({summary['train_seconds']:.0f} s this session); checkpoint in "
@@ -351,7 +356,7 @@ def format_summary(summary: Dict, run_dir: Path) -> str:
             lines.append(f"training's last indices: queue utilization {r['queue_utilization']:.1%} of the last "
                          f"{r['queue_indices']:,} (uniform ceiling {r['queue_ceiling']:.1%}), per-batch "
                          f"{r['batch_utilization']:.1%} (ceiling {r['batch_ceiling']:.1%})")
-        lines.append("definitions:\n  " + USAGE_DEFINITIONS.replace("\n", "\n  "))
+        lines.append("definitions:\n" + definitions() if verbose else DEFINITIONS_HINT)
     seconds = summary.get("seconds") or {}
     names = {"setup": "set-up (data, model)", "train": "training", "evaluate": "test-set evaluation"}
     if seconds:
@@ -385,6 +390,7 @@ class TrainOptions:
     overrides: List[str] = option(default_factory=list, help="dotted config overrides", positional=True, nargs="*",
                                   metavar="key=value")
     quiet: bool = option(False, "no progress bar or summary")
+    verbose: bool = option(False, "end the summary with the definitions of its figures")
     stop_after: Optional[int] = option(None, "leave after STEPS steps in this session with a checkpoint "
                                              "(pre-emptible jobs); the same command resumes", metavar="STEPS")
     print_config: bool = option(False, "print the resolved config and exit")
@@ -422,6 +428,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("every image can be read")
         return 0
     threads.set_threads(cfg.train.threads)  # per process (under torchrun: each of them); the run's first line says why
-    train(cfg, quiet=opts.quiet, stop_after=opts.stop_after)
+    train(cfg, quiet=opts.quiet, stop_after=opts.stop_after, verbose=opts.verbose)
     teardown_distributed()  # after success only: a barrier after a failure could hang
     return 0
