@@ -2,7 +2,7 @@
 (product quantization; UniTok's sub-codebooks, vector-quantize-pytorch's ``GroupedResidualVQ`` with one level)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -56,14 +56,14 @@ class GroupedDDCL(MultiCodebookDDCL):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", groups={self.groups}"
 
-    def _quantize(self, x: Tensor, z: Tensor) -> QuantizerOutput:
+    def _quantize(self, x: Tensor, z: Tensor) -> Tuple[QuantizerOutput, Tensor]:
         parts: List[QuantizerOutput] = [q(chunk) for q, chunk in zip(self.quantizers, x.split(self.group_dim, 1))]
         indices = torch.stack([p.indices for p in parts], 1)
         terms, perplexity = self._gather(parts, indices)
         soft = None if parts[0].soft_codes is None else torch.cat([p.soft_codes for p in parts], 1)
-        return QuantizerOutput(torch.cat([p.quantized for p in parts], 1), indices,
-                               torch.stack([p.loss for p in parts]).mean(), terms, perplexity,
-                               soft_counts=torch.stack([p.soft_counts for p in parts]), soft_codes=soft)
+        losses = torch.stack([p.loss for p in parts])
+        return QuantizerOutput(torch.cat([p.quantized for p in parts], 1), indices, losses.mean(), terms, perplexity,
+                               soft_counts=torch.stack([p.soft_counts for p in parts]), soft_codes=soft), losses
 
     def lookup(self, indices: Tensor) -> Tensor:
         """Indices (B, *S, G) -> the groups' codes concatenated, in the input layout ((B, D, *S) or (B, *S, D))."""

@@ -40,19 +40,25 @@ class MultiCodebookDDCL(Quantizer):
     part_name = "codebook"
 
     def forward(self, z: Tensor) -> QuantizerOutput:
+        return self.forward_parts(z)[0]
+
+    def forward_parts(self, z: Tensor, **options: Any) -> Tuple[QuantizerOutput, Tensor]:
+        """``forward(z)``'s output and the (C,) losses of the codebooks (with their graph; ``loss`` is their sum, or
+        for :class:`GroupedDDCL` their mean): what a host reporting one loss per codebook returns."""
         flat, last_shape = flatten(z, self.dim, self.channel_dim)
         if flat.shape[0] == 0:
-            return self._empty(flat, last_shape)
+            out = self._empty(flat, last_shape)
+            return out, out.loss.expand(self.num_codebooks)
         with torch.autocast(device_type=z.device.type, enabled=False):
-            out = self._quantize(flat.to(compute_dtype(flat)), z)
+            out, part_losses = self._quantize(flat.to(compute_dtype(flat)), z, **options)
         index_shape = last_shape[:-1] + (self.num_codebooks,)
         out.quantized = unflatten(out.quantized.to(z.dtype), last_shape, self.channel_dim)
         out.indices = out.indices.reshape(index_shape)
         if out.soft_codes is not None:
             out.soft_codes = unflatten(out.soft_codes.to(z.dtype), last_shape, self.channel_dim)
-        return out
+        return out, part_losses
 
-    def _quantize(self, x: Tensor, z: Tensor) -> QuantizerOutput:  # (N, D) compute dtype; z: the input
+    def _quantize(self, x: Tensor, z: Tensor) -> Tuple[QuantizerOutput, Tensor]:  # (N, D); z: the input
         raise NotImplementedError
 
     def _empty(self, flat: Tensor, last_shape: Tuple[int, ...]) -> QuantizerOutput:

@@ -59,6 +59,8 @@ class ResidualDDCL(MultiCodebookDDCL):
     shape without the channel dimension, plus (L,); ``loss`` the sum of the levels' losses; ``terms`` each level's
     terms prefixed ``level{i}_`` and their sums under the plain names; ``perplexity`` the mean of the levels' batch
     perplexities; ``soft_counts`` (L, K); ``soft_codes`` (eval) the sum of the levels' soft codes.
+    ``forward_parts(z, dropout_seed=None)`` also returns the (L,) levels' losses (shared codebook: the pooled loss
+    shared out by the levels' vector counts).
     ``lookup(indices)`` decodes (..., L') indices, any prefix L' ≤ L (index −1: a level left out, adds nothing).
     ``levels``: the L DDCLQuantizers in chain order (the same module L times with ``shared_codebook``);
     ``codebook``: (L, K, D), or the shared (K, D).
@@ -105,12 +107,18 @@ class ResidualDDCL(MultiCodebookDDCL):
         self._warmup_over = self.warmup_steps == 0  # re-read the loaded warm-up position at the next forward
 
     # ------------------------------------------------------------------ forward
-    def _kept_levels(self, z: Tensor, n: int) -> Optional[Tensor]:
-        """(N,) levels each row keeps under quantizer dropout (rows are sample-major), or None: all."""
+    def _kept_levels(self, z: Tensor, n: int, dropout_seed: Optional[int] = None) -> Optional[Tensor]:
+        """(N,) levels each row keeps under quantizer dropout (rows are sample-major), or None: all.
+        ``dropout_seed``: draw the counts from a generator with that seed (the same counts in every group of a
+        grouped host), else from torch's global generator."""
         if not (self.training and self.quantize_dropout and self.num_levels > 1):
             return None
         samples = z.shape[0] if z.dim() >= 2 else 1
-        per_sample = torch.randint(1, self.num_levels + 1, (samples,), device=z.device)
+        if dropout_seed is None:
+            per_sample = torch.randint(1, self.num_levels + 1, (samples,), device=z.device)
+        else:
+            generator = torch.Generator().manual_seed(int(dropout_seed))
+            per_sample = torch.randint(1, self.num_levels + 1, (samples,), generator=generator).to(z.device)
         if world_size() > 1:
             per_sample[0] = self.num_levels
         return per_sample.repeat_interleave(n // samples)
@@ -126,15 +134,16 @@ class ResidualDDCL(MultiCodebookDDCL):
         self._warmup_over = True
         return 1.0
 
-    def _quantize(self, x: Tensor, z: Tensor) -> QuantizerOutput:
+    def _quantize(self, x: Tensor, z: Tensor, dropout_seed: Optional[int] = None) -> Tuple[QuantizerOutput, Tensor]:
         n = x.shape[0]
-        kept = self._kept_levels(z, n)
+        kept = self._kept_levels(z, n, dropout_seed)
         rows = [None if kept is None else torch.nonzero(kept > i).squeeze(1) for i in range(self.num_levels)]
         blend = self._blend()
         if self.shared_codebook:
-            parts, indices, codes, loss, chain_terms, mass = self._shared_levels(x, rows)
+            parts, indices, codes, losses, chain_terms, mass = self._shared_levels(x, rows)
         else:
-            parts, indices, codes, loss, chain_terms, mass = self._separate_levels(x, rows)
+            parts, indices, codes, losses, chain_terms, mass = self._separate_levels(x, rows)
+        loss = losses.sum()
         straight = self.mode == "straight_through"
         total = torch.zeros_like(x)
         soft_total = torch.zeros_like(x) if not self.training else None
@@ -149,7 +158,8 @@ class ResidualDDCL(MultiCodebookDDCL):
         if blend < 1.0:  # value z + blend·(Σ c − z); the gradient is the sum's
             total = x.detach() + blend * (total - x).detach() + (total - total.detach())
         terms, perplexity = self._gather(chain_terms if chain_terms is not None else parts, indices)
-        return QuantizerOutput(total, indices, loss, terms, perplexity, soft_counts=mass, soft_codes=soft_total)
+        out = QuantizerOutput(total, indices, loss, terms, perplexity, soft_counts=mass, soft_codes=soft_total)
+        return out, losses
 
     def _separate_levels(self, x: Tensor, rows: List[Optional[Tensor]]):
         """Each level its own DDCLQuantizer, fed r_i (the rows that reach it)."""
@@ -157,7 +167,7 @@ class ResidualDDCL(MultiCodebookDDCL):
         indices = torch.full((n, self.num_levels), -1, dtype=torch.long, device=x.device)
         mass = x.new_zeros(self.num_levels, self.num_codes)
         residual = x
-        loss = x.new_zeros(())
+        losses: List[Tensor] = []
         parts: List[Optional[QuantizerOutput]] = []
         codes: List[Optional[Tensor]] = []
         for i, level in enumerate(self.quantizers):
@@ -165,10 +175,11 @@ class ResidualDDCL(MultiCodebookDDCL):
             if r.shape[0] == 0:
                 parts.append(None)
                 codes.append(None)
+                losses.append(x.new_zeros(()))
                 continue
             out = level(r)
             code = out.quantized
-            loss = loss + out.loss
+            losses.append(out.loss.to(x.dtype))
             if rows[i] is None:
                 indices[:, i] = out.indices
                 residual = residual - code.detach()
@@ -178,7 +189,7 @@ class ResidualDDCL(MultiCodebookDDCL):
             mass[i] = out.soft_counts.to(mass.dtype)
             parts.append(out)
             codes.append(code)
-        return parts, indices, codes, loss, None, mass
+        return parts, indices, codes, torch.stack(losses), None, mass
 
     def _shared_levels(self, x: Tensor, rows: List[Optional[Tensor]]):
         """One DDCLQuantizer for every level: the chain first (no gradient, no update), then one forward on the
@@ -212,7 +223,10 @@ class ResidualDDCL(MultiCodebookDDCL):
         sizes = [t.shape[0] for t in inputs]
         out = shared(torch.cat(inputs))
         used = sum(1 for s in sizes if s > 0)
-        loss = out.loss * used  # the pooled mean × the levels that ran: the scale of a sum of the levels' losses
+        # the pooled mean × the levels that ran (the scale of a sum of the levels' losses), shared out by the
+        # levels' vector counts
+        share = torch.tensor([s / max(sum(sizes), 1) for s in sizes], dtype=x.dtype, device=x.device)
+        losses = out.loss.to(x.dtype) * used * share
         indices = torch.full((n, self.num_levels), -1, dtype=torch.long, device=x.device)
         parts: List[Optional[QuantizerOutput]] = []
         codes: List[Optional[Tensor]] = []
@@ -230,9 +244,9 @@ class ResidualDDCL(MultiCodebookDDCL):
             else:
                 indices[rows[i], i] = idx
             soft = None if out.soft_codes is None else out.soft_codes[piece]
-            parts.append(QuantizerOutput(out.quantized[piece], idx, loss, {}, soft_codes=soft))
+            parts.append(QuantizerOutput(out.quantized[piece], idx, losses[i], {}, soft_codes=soft))
             codes.append(out.quantized[piece])
-        return parts, indices, codes, loss, chain_terms, mass
+        return parts, indices, codes, losses, chain_terms, mass
 
     # ------------------------------------------------------------------ decode, soft codes
     def lookup(self, indices: Tensor) -> Tensor:
