@@ -1,4 +1,4 @@
-"""Drop-in adapters: the DDCL codebook behind the three common VQ-VAE quantizer conventions.
+"""Drop-in adapters: the DDCL codebook behind the common VQ-VAE quantizer conventions.
 
 One import and one line put a :class:`~ddcl_vq.DDCLQuantizer` into an existing code base::
 
@@ -16,6 +16,8 @@ taming-transformers VQGAN,         ``(z_q, loss, (perplexity, min_encodings,   :
 diffusers ``VQModel``              indices))``, NCHW in and out
 vector-quantize-pytorch            ``(quantized, indices, loss)``,             :class:`VQPAdapter`
 ``VectorQuantize``                 (B, N, D), (B, D, N), (B, D) or feature maps
+vector-quantize-pytorch            ``(quantized, indices, losses)``: (..., Q),  :class:`ResidualVQAdapter`,
+``ResidualVQ``, its grouped form   (Q,); grouped (G, ..., Q), (G, Q)           :class:`GroupedResidualVQAdapter`
 VQ-VAE notebook (Sonnet port)      ``(loss, quantized, perplexity,             :class:`NotebookQuantizerAdapter`
 ``VectorQuantizer``                encodings)``, NCHW in and out
 =================================  ==========================================  ==================================
@@ -28,9 +30,11 @@ public attributes.
 """
 from .notebook import NotebookQuantizerAdapter
 from .options import DDCL_OPTIONS, DDCLOptions
+from .residual import REFUSED_HOSTS, GroupedResidualVQAdapter, ResidualVQAdapter
 from .swap import LOOKED_FOR, SwappedQuantizer, adapter_for, swap_quantizer
 from .taming import TamingQuantizerAdapter
 from .vqp import VQPAdapter
 
 __all__ = ["TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer", "SwappedQuantizer",
-           "adapter_for", "DDCLOptions", "DDCL_OPTIONS", "LOOKED_FOR"]
+           "adapter_for", "DDCLOptions", "DDCL_OPTIONS", "LOOKED_FOR", "ResidualVQAdapter", "GroupedResidualVQAdapter",
+           "REFUSED_HOSTS"]

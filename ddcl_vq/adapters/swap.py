@@ -7,6 +7,7 @@ from torch import nn
 
 from .notebook import NotebookQuantizerAdapter
 from .options import DDCLOptions
+from .residual import GroupedResidualVQAdapter, ResidualVQAdapter, refusal_for
 from .taming import TamingQuantizerAdapter
 from .vqp import VQPAdapter
 
@@ -21,7 +22,8 @@ class SwappedQuantizer(NamedTuple):
 
 LOOKED_FOR = (
     "diffusers/taming VectorQuantizer or VectorQuantizer2 (attributes embedding, n_e, e_dim or vq_embed_dim, beta); "
-    "vector-quantize-pytorch VectorQuantize (codebook_size, dim, codebook, _codebook); "
+    "vector-quantize-pytorch VectorQuantize (codebook_size, dim, codebook, _codebook), "
+    "ResidualVQ (layers, num_quantizers, codebooks) and GroupedResidualVQ (rvqs, groups); "
     "the VQ-VAE notebook's VectorQuantizer or VectorQuantizerEMA "
     "(_embedding, _num_embeddings, _embedding_dim, _commitment_cost)")
 
@@ -38,12 +40,23 @@ def _is_vqp(m: nn.Module) -> bool:
             and hasattr(m, "_codebook") and hasattr(m, "codebook"))
 
 
+def _is_residual_vqp(m: nn.Module) -> bool:
+    return (type(m).__name__ == "ResidualVQ" and isinstance(getattr(m, "layers", None), nn.ModuleList)
+            and hasattr(m, "num_quantizers") and hasattr(m, "codebooks"))
+
+
+def _is_grouped_residual_vqp(m: nn.Module) -> bool:
+    return (type(m).__name__ == "GroupedResidualVQ" and isinstance(getattr(m, "rvqs", None), nn.ModuleList)
+            and hasattr(m, "groups"))
+
+
 def _is_notebook(m: nn.Module) -> bool:
     return (isinstance(getattr(m, "_embedding", None), nn.Embedding) and hasattr(m, "_num_embeddings")
             and hasattr(m, "_embedding_dim") and hasattr(m, "_commitment_cost"))
 
 
-_FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_notebook, NotebookQuantizerAdapter))
+_FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_residual_vqp, ResidualVQAdapter),
+             (_is_grouped_residual_vqp, GroupedResidualVQAdapter), (_is_notebook, NotebookQuantizerAdapter))
 _ADAPTERS = tuple(adapter for _, adapter in _FAMILIES)
 
 
@@ -65,9 +78,14 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQ
     Call it before building the optimizer.
 
     Returns a list of ``SwappedQuantizer(name, old, new)`` (for a bare quantizer: the adapter); ValueError when
-    the model holds no recognised quantizer.
+    the model holds no recognised quantizer, or holds a host whose codes are not learned (``ResidualFSQ``,
+    ``ResidualLFQ``: :data:`~ddcl_vq.adapters.residual.REFUSED_HOSTS`) or are l2-normalised (cosine).
     """
     DDCLOptions.from_kwargs(ddcl_options)  # reject unknown options before touching the model
+    for name, module in model.named_modules():  # hosts whose codes DDCL cannot take over: refused, never skipped
+        reason = refusal_for(module)
+        if reason:
+            raise ValueError(f"{reason} (at {name or 'the root'})")
     root_adapter = adapter_for(model)
     if root_adapter is not None:
         return root_adapter.from_quantizer(model, **ddcl_options)
