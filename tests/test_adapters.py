@@ -659,3 +659,38 @@ def test_residual_hosts_without_learned_or_with_unit_codes_are_refused_in_one_li
     with pytest.raises(ValueError, match="use_cosine_sim=True"):
         swap_quantizer(model)
     assert isinstance(model[0], VectorQuantize)
+
+
+def test_vqvae2_quantize_and_encodec_residual_hosts_swap_with_their_keys():
+    """Small re-implementations of VQ-VAE-2 Quantize and EnCodec ResidualVectorQuantization (attributes, buffers, keys)."""
+    from torch import nn
+    from ddcl_vq import swap_quantizer
+    class Quantize(nn.Module):
+        def __init__(self, dim, n_embed, decay=0.99, eps=1e-5):
+            super().__init__(); self.dim, self.n_embed, self.decay, self.eps = dim, n_embed, decay, eps
+            embed = torch.randn(dim, n_embed)
+            self.register_buffer("embed", embed); self.register_buffer("cluster_size", torch.zeros(n_embed)); self.register_buffer("embed_avg", embed.clone())
+        def embed_code(self, i): return F.embedding(i, self.embed.transpose(0, 1))
+    class EuclideanCodebook(nn.Module):
+        def __init__(self, dim, K):
+            super().__init__(); self.register_buffer("inited", torch.Tensor([True])); self.register_buffer("cluster_size", torch.zeros(K))
+            e = torch.randn(K, dim); self.register_buffer("embed", e); self.register_buffer("embed_avg", e.clone())
+    class VectorQuantization(nn.Module):
+        def __init__(self, dim, K):
+            super().__init__(); self.project_in = nn.Identity(); self.project_out = nn.Identity(); self._codebook = EuclideanCodebook(dim, K); self.commitment_weight = 1.0
+    class ResidualVectorQuantization(nn.Module):
+        def __init__(self, n, dim, K):
+            super().__init__(); self.layers = nn.ModuleList([VectorQuantization(dim, K) for _ in range(n)])
+    class ResidualVectorQuantizer(nn.Module):
+        def __init__(self): super().__init__(); self.vq = ResidualVectorQuantization(3, 8, 16)
+    m = nn.ModuleDict({"q": Quantize(8, 16), "rvq": ResidualVectorQuantizer()})
+    keys = sorted(m.state_dict())
+    assert [(s.name, type(s.new).__name__) for s in swap_quantizer(m)] == [("q", "VQVAE2QuantizeAdapter"), ("rvq.vq", "EncodecRVQAdapter")]
+    q, d, i = m["q"](torch.randn(2, 4, 4, 8)); assert q.shape == (2, 4, 4, 8) and d.dim() == 0 and i.shape == (2, 4, 4)
+    enc = m["rvq"].vq; x = torch.randn(2, 8, 10)
+    qo, idx, l = enc(x); assert qo.shape == x.shape and idx.shape == (3, 2, 10) and l.shape == (3, 1)
+    qo, idx, l = enc(x, n_q=2); assert idx.shape == (2, 2, 10) and l.shape == (2, 1)
+    enc.eval(); qo, idx, l = enc(x); assert torch.allclose(enc.decode(idx), qo, atol=1e-6) and enc.encode(x, 2).shape == (2, 2, 10)
+    m["q"].eval(); q, d, i = m["q"](torch.randn(2, 4, 4, 8)); assert torch.allclose(m["q"].embed_code(i), q)
+    assert sorted(m.state_dict()) == keys
+    m2 = nn.ModuleDict({"q": Quantize(8, 16), "rvq": ResidualVectorQuantizer()}); m2.load_state_dict(m.state_dict()); swap_quantizer(m2); m2.load_state_dict(m.state_dict())

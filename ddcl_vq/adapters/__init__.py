@@ -20,6 +20,9 @@ vector-quantize-pytorch            ``(quantized, indices, losses)``: (..., Q),  
 ``ResidualVQ``, its grouped form   (Q,); grouped (G, ..., Q), (G, Q)           :class:`GroupedResidualVQAdapter`
 VQ-VAE notebook (Sonnet port)      ``(loss, quantized, perplexity,             :class:`NotebookQuantizerAdapter`
 ``VectorQuantizer``                encodings)``, NCHW in and out
+VQ-VAE-2 ``Quantize``              ``(quantize, diff, embed_ind)``, (..., dim)  :class:`VQVAE2QuantizeAdapter`
+EnCodec ``ResidualVector``         ``(quantized, indices (n_q, B, T), losses   :class:`EncodecRVQAdapter`
+``Quantization``                   (n_q, 1))``, (B, D, T), ``n_q``
 =================================  ==========================================  ==================================
 
 What changes is the quantizer, not its interface: ``loss`` is the DDCL loss (already weighted, also in eval mode);
@@ -30,11 +33,12 @@ public attributes.
 """
 from .notebook import NotebookQuantizerAdapter
 from .options import DDCL_OPTIONS, DDCLOptions
-from .residual import REFUSED_HOSTS, GroupedResidualVQAdapter, ResidualVQAdapter
+from .residual import REFUSED_HOSTS, EncodecRVQAdapter, GroupedResidualVQAdapter, ResidualVQAdapter
 from .swap import LOOKED_FOR, SwappedQuantizer, adapter_for, swap_quantizer
 from .taming import TamingQuantizerAdapter
 from .vqp import VQPAdapter
+from .vqvae2 import VQVAE2QuantizeAdapter
 
 __all__ = ["TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter", "swap_quantizer", "SwappedQuantizer",
            "adapter_for", "DDCLOptions", "DDCL_OPTIONS", "LOOKED_FOR", "ResidualVQAdapter", "GroupedResidualVQAdapter",
-           "REFUSED_HOSTS"]
+           "EncodecRVQAdapter", "VQVAE2QuantizeAdapter", "REFUSED_HOSTS"]

@@ -1,5 +1,6 @@
-"""Residual DDCL behind vector-quantize-pytorch's ``ResidualVQ`` and ``GroupedResidualVQ`` conventions, and the
-refusals for residual hosts whose codes are not learned (``ResidualFSQ``, ``ResidualLFQ``) or are l2-normalised."""
+"""Residual DDCL behind vector-quantize-pytorch's ``ResidualVQ`` and ``GroupedResidualVQ`` conventions and EnCodec's
+``ResidualVectorQuantization``, and the refusals for residual hosts whose codes are not learned (``ResidualFSQ``,
+``ResidualLFQ``) or are l2-normalised (cosine ``ResidualVQ``, DAC's ``ResidualVectorQuantize``)."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,8 @@ from torch import Tensor, nn
 from ..ddcl import STATE_BUFFERS, ResidualDDCL
 from .options import DDCLOptions
 
-__all__ = ["ResidualVQAdapter", "GroupedResidualVQAdapter", "REFUSED_HOSTS", "refusal_for"]
+__all__ = ["ResidualVQAdapter", "GroupedResidualVQAdapter", "EncodecRVQAdapter", "REFUSED_HOSTS", "refusal_for",
+           "dac_refusal"]
 
 #: host class name -> why it cannot be swapped (a one-line ValueError from swap_quantizer)
 REFUSED_HOSTS = {
@@ -33,7 +35,7 @@ def refusal_for(module: nn.Module) -> Optional[str]:
     name = type(module).__name__
     if name in REFUSED_HOSTS:
         return f"cannot swap {name}: {REFUSED_HOSTS[name]}"
-    return None
+    return dac_refusal(module)
 
 
 def _level_options(host: nn.Module) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -288,3 +290,119 @@ class GroupedResidualVQAdapter(nn.Module):
 
     def get_output_from_indices(self, indices: Tensor) -> Tensor:
         return torch.cat([rvq.get_output_from_indices(i) for rvq, i in zip(self.rvqs, indices)], dim=self.split_dim)
+
+
+# ---------------------------------------------------------------- EnCodec's ResidualVectorQuantization
+
+def _save_encodec_keys(module: "EncodecRVQAdapter", state_dict: Dict[str, Any], prefix: str,
+                       local_metadata: Dict[str, Any]) -> None:
+    """EnCodec's keys: ``layers.{i}._codebook.{inited (1,), cluster_size (K,), embed (K, D), embed_avg (K, D)}``."""
+    for key in [k for k in state_dict if k.startswith(prefix + "ddcl.")]:
+        del state_dict[key]
+    for i, level in enumerate(module.ddcl.levels):
+        base = f"{prefix}layers.{i}._codebook."
+        state_dict[base + "inited"] = level.initialized.detach().to(torch.float32).reshape(1)
+        state_dict[base + "cluster_size"] = level.cluster_mass.detach().clone()
+        state_dict[base + "embed"] = level.weight.detach().clone()
+        state_dict[base + "embed_avg"] = level.cluster_sums.detach().clone()
+
+
+def _load_encodec_keys(module: "EncodecRVQAdapter", state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    for i, level in enumerate(module.ddcl.levels):
+        base = f"{prefix}layers.{i}._codebook."
+        if base + "embed" in state_dict:
+            state_dict[f"{prefix}ddcl.quantizers.{i}.weight"] = state_dict.pop(base + "embed")
+            if bool(state_dict.get(base + "inited", torch.ones(1)).reshape(-1)[0]):
+                level.initialized.fill_(True)
+            module.ddcl.warmup_batches.fill_(module.ddcl.warmup_steps)
+        for name in ("inited", "cluster_size", "embed_avg"):
+            state_dict.pop(base + name, None)
+
+
+class EncodecRVQAdapter(nn.Module):
+    """:class:`~ddcl_vq.ResidualDDCL` behind EnCodec's ``ResidualVectorQuantization`` convention (encodec/
+    quantization/core_vq.py; the ``vq`` inside its ``ResidualVectorQuantizer``, which keeps working around it).
+
+    ``forward(x, n_q=None)`` with x (B, D, T) returns ``(quantized (B, D, T), indices (n_q, B, T), losses (n_q, 1))``,
+    the first ``n_q`` levels only (default all); ``encode(x, n_q=None)`` -> (n_q, B, T); ``decode(indices)`` takes
+    (n_q', B, T), any n_q' ≤ the levels. The losses are the levels' DDCL losses (EnCodec's are commitment only, and
+    zero in eval). ``state_dict`` keys are EnCodec's (``layers.{i}._codebook.embed`` (K, D) ...). EnCodec's k-means
+    start, EMA decay and dead-code expiry become DDCL's k-means start, M-step and revival.
+    """
+
+    def __init__(self, *, num_quantizers: int, dim: int, codebook_size: int, commitment_weight: float = 1.0,
+                 **ddcl_options: Any):
+        super().__init__()
+        options = DDCLOptions.from_kwargs(ddcl_options, beta=commitment_weight, beta_name="commitment_weight")
+        self.num_quantizers, self.dim, self.codebook_size = num_quantizers, dim, codebook_size
+        self.ddcl = ResidualDDCL(codebook_size, dim, num_quantizers, channel_dim=1, **options.as_kwargs())
+        for level in self.ddcl.quantizers:
+            for name in ("initialized",) + tuple(STATE_BUFFERS):
+                level.register_buffer(name, getattr(level, name), persistent=False)
+        self.ddcl.register_buffer("warmup_batches", self.ddcl.warmup_batches, persistent=False)
+        self.last_output = None
+        self.register_state_dict_post_hook(_save_encodec_keys)
+        self.register_load_state_dict_pre_hook(_load_encodec_keys)
+
+    @classmethod
+    def from_quantizer(cls, old: nn.Module, **ddcl_options: Any) -> "EncodecRVQAdapter":
+        """An adapter with EnCodec ``ResidualVectorQuantization`` ``old``'s levels, sizes and codebooks."""
+        layers = list(old.layers)
+        if any(not isinstance(layer.project_in, nn.Identity) for layer in layers):
+            raise ValueError("cannot swap ResidualVectorQuantization with codebook_dim != dim: its per-level "
+                             "projections have no ResidualDDCL counterpart")
+        embed = layers[0]._codebook.embed
+        options = dict(ddcl_options)
+        if not bool(layers[0]._codebook.inited.reshape(-1)[0]):
+            options.setdefault("codebook_init", "kmeans")
+        beta = options.pop("beta", float(getattr(layers[0], "commitment_weight", 1.0)))
+        new = cls(num_quantizers=len(layers), dim=int(embed.shape[1]), codebook_size=int(embed.shape[0]),
+                  commitment_weight=beta, **options).to(embed.device)
+        with torch.no_grad():
+            for level, layer in zip(new.ddcl.quantizers, layers):
+                level.weight.data = layer._codebook.embed.detach().clone().float()
+        return new.train(old.training)
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"expected (B, {self.dim}, T) features, got {got}")
+
+    def forward(self, x: Tensor, n_q: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        self._check(x)
+        n_q = n_q or self.num_quantizers
+        out, losses = self.ddcl.forward_parts(x, num_levels=n_q)
+        self.last_output = type(out)(out.quantized.detach(), out.indices, out.loss.detach(),
+                                     {k: v.detach() for k, v in out.terms.items()}, out.perplexity.detach(),
+                                     out.soft_counts.detach())
+        indices = out.indices[..., :n_q].movedim(-1, 0)  # (n_q, B, T)
+        return out.quantized, indices, losses[:n_q, None]
+
+    @torch.no_grad()
+    def encode(self, x: Tensor, n_q: Optional[int] = None) -> Tensor:
+        """(B, D, T) -> (n_q, B, T) indices (no update: as an eval forward)."""
+        was = self.training
+        self.eval()
+        try:
+            return self.forward(x, n_q)[1]
+        finally:
+            self.train(was)
+
+    def decode(self, q_indices: Tensor) -> Tensor:
+        """(n_q', B, T) indices -> (B, D, T), the sum of the first n_q' levels' codes."""
+        return self.ddcl.lookup(q_indices.movedim(0, -1))
+
+
+# ---------------------------------------------------------------- DAC: refused (l2-normalised codes)
+
+def dac_refusal(module: nn.Module) -> Optional[str]:
+    """DAC's ``ResidualVectorQuantize`` / ``VectorQuantize`` (weight-normed in/out projections, an ``nn.Embedding``
+    codebook looked up after l2-normalising codes and inputs): the one-line reason it is refused, or None."""
+    name = type(module).__name__
+    levels = list(getattr(module, "quantizers", [])) if name == "ResidualVectorQuantize" else \
+        [module] if name == "VectorQuantize" else []
+    if levels and all(isinstance(getattr(q, "codebook", None), nn.Embedding) and hasattr(q, "in_proj")
+                      and hasattr(q, "out_proj") for q in levels):
+        return (f"cannot swap {name} (DAC): its codes are l2-normalised (a cosine lookup of factorised codes): DDCL "
+                "has no cosine mode (its codes are soft means, not unit vectors)")
+    return None

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import torch
 from torch import nn
 
 from .notebook import NotebookQuantizerAdapter
 from .options import DDCLOptions
-from .residual import GroupedResidualVQAdapter, ResidualVQAdapter, refusal_for
+from .residual import EncodecRVQAdapter, GroupedResidualVQAdapter, ResidualVQAdapter, refusal_for
 from .taming import TamingQuantizerAdapter
 from .vqp import VQPAdapter
+from .vqvae2 import VQVAE2QuantizeAdapter
 
 
 class SwappedQuantizer(NamedTuple):
@@ -25,7 +27,9 @@ LOOKED_FOR = (
     "vector-quantize-pytorch VectorQuantize (codebook_size, dim, codebook, _codebook), "
     "ResidualVQ (layers, num_quantizers, codebooks) and GroupedResidualVQ (rvqs, groups); "
     "the VQ-VAE notebook's VectorQuantizer or VectorQuantizerEMA "
-    "(_embedding, _num_embeddings, _embedding_dim, _commitment_cost)")
+    "(_embedding, _num_embeddings, _embedding_dim, _commitment_cost); "
+    "VQ-VAE-2's Quantize (buffers embed (dim, n_embed), cluster_size, embed_avg); "
+    "EnCodec's ResidualVectorQuantization (layers of VectorQuantization with _codebook.embed)")
 
 
 def _is_taming(m: nn.Module) -> bool:
@@ -50,13 +54,28 @@ def _is_grouped_residual_vqp(m: nn.Module) -> bool:
             and hasattr(m, "groups"))
 
 
+def _is_vqvae2(m: nn.Module) -> bool:
+    embed = getattr(m, "embed", None)
+    return (type(m).__name__ == "Quantize" and isinstance(embed, torch.Tensor) and embed.dim() == 2
+            and hasattr(m, "cluster_size") and hasattr(m, "embed_avg") and hasattr(m, "dim")
+            and hasattr(m, "n_embed") and tuple(embed.shape) == (m.dim, m.n_embed))
+
+
+def _is_encodec_rvq(m: nn.Module) -> bool:
+    layers = getattr(m, "layers", None)
+    return (type(m).__name__ == "ResidualVectorQuantization" and isinstance(layers, nn.ModuleList) and len(layers) > 0
+            and all(hasattr(getattr(layer, "_codebook", None), "embed") for layer in layers)
+            and all(hasattr(layer._codebook, "inited") for layer in layers))
+
+
 def _is_notebook(m: nn.Module) -> bool:
     return (isinstance(getattr(m, "_embedding", None), nn.Embedding) and hasattr(m, "_num_embeddings")
             and hasattr(m, "_embedding_dim") and hasattr(m, "_commitment_cost"))
 
 
 _FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_residual_vqp, ResidualVQAdapter),
-             (_is_grouped_residual_vqp, GroupedResidualVQAdapter), (_is_notebook, NotebookQuantizerAdapter))
+             (_is_grouped_residual_vqp, GroupedResidualVQAdapter), (_is_notebook, NotebookQuantizerAdapter),
+             (_is_vqvae2, VQVAE2QuantizeAdapter), (_is_encodec_rvq, EncodecRVQAdapter))
 _ADAPTERS = tuple(adapter for _, adapter in _FAMILIES)
 
 
@@ -101,10 +120,15 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQ
                 found.setdefault(id(child), (name, child, adapter))
             elif isinstance(child, _ADAPTERS):
                 already.append(name)
-            elif ("quantiz" in type(child).__name__.lower()
-                  or type(child).__module__.split(".")[0] == "vector_quantize_pytorch"):
-                # e.g. GumbelQuantize, or a vector-quantize-pytorch composite (ResidualVQ, ...)
+            elif type(child).__module__.split(".")[0] == "vector_quantize_pytorch":
+                # a vector-quantize-pytorch composite without an adapter (ResidualSimVQ, ...): not entered
                 unsupported.append(f"{name} ({type(child).__name__})")
+            elif "quantiz" in type(child).__name__.lower():
+                # e.g. GumbelQuantize; or a wrapper around a recognised one (EnCodec's ResidualVectorQuantizer)
+                before = len(found)
+                visit(child, name)
+                if len(found) == before:
+                    unsupported.append(f"{name} ({type(child).__name__})")
             else:
                 visit(child, name)
 

@@ -59,8 +59,9 @@ class ResidualDDCL(MultiCodebookDDCL):
     shape without the channel dimension, plus (L,); ``loss`` the sum of the levels' losses; ``terms`` each level's
     terms prefixed ``level{i}_`` and their sums under the plain names; ``perplexity`` the mean of the levels' batch
     perplexities; ``soft_counts`` (L, K); ``soft_codes`` (eval) the sum of the levels' soft codes.
-    ``forward_parts(z, dropout_seed=None)`` also returns the (L,) levels' losses (shared codebook: the pooled loss
-    shared out by the levels' vector counts).
+    ``forward_parts(z, dropout_seed=None, num_levels=None)`` also returns the (L,) levels' losses (shared codebook:
+    the pooled loss shared out by the levels' vector counts); ``num_levels`` < L runs the first levels only (the
+    others: index −1, loss 0, nothing learned), as EnCodec's ``n_q``.
     ``lookup(indices)`` decodes (..., L') indices, any prefix L' ≤ L (index −1: a level left out, adds nothing).
     ``levels``: the L DDCLQuantizers in chain order (the same module L times with ``shared_codebook``);
     ``codebook``: (L, K, D), or the shared (K, D).
@@ -134,9 +135,15 @@ class ResidualDDCL(MultiCodebookDDCL):
         self._warmup_over = True
         return 1.0
 
-    def _quantize(self, x: Tensor, z: Tensor, dropout_seed: Optional[int] = None) -> Tuple[QuantizerOutput, Tensor]:
+    def _quantize(self, x: Tensor, z: Tensor, dropout_seed: Optional[int] = None,
+                  num_levels: Optional[int] = None) -> Tuple[QuantizerOutput, Tensor]:
         n = x.shape[0]
         kept = self._kept_levels(z, n, dropout_seed)
+        if num_levels is not None and num_levels < self.num_levels:  # the first num_levels levels only
+            if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
+                raise ValueError(f"expected num_levels, an int in [1, {self.num_levels}], got {num_levels!r}")
+            cap = torch.full((n,), num_levels, dtype=torch.long, device=x.device)
+            kept = cap if kept is None else torch.minimum(kept, cap)
         rows = [None if kept is None else torch.nonzero(kept > i).squeeze(1) for i in range(self.num_levels)]
         blend = self._blend()
         if self.shared_codebook:
