@@ -11,7 +11,7 @@ are tuples in their modules (``ddcl_vq.ddcl.arguments.DDCL_CHOICES``, ``ddcl_vq.
 """
 from .adapters import NotebookQuantizerAdapter, TamingQuantizerAdapter, VQPAdapter, swap_quantizer
 from .base import Quantizer, QuantizerOutput
-from .ddcl import DDCLQuantizer
+from .ddcl import DDCLQuantizer, GroupedDDCL, ResidualDDCL
 from .ema import EMAVQ
 from .fsq import FSQQuantizer
 from .fvq import FVQQuantizer
@@ -27,6 +27,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "Quantizer", "QuantizerOutput", "DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer",
+    "ResidualDDCL", "GroupedDDCL",
     "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "FVQQuantizer",
     "CodebookUsage", "UsageStats", "USAGE_DEFINITIONS",
     "swap_quantizer", "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter",

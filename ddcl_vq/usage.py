@@ -52,9 +52,25 @@ class UsageStats:
     soft_perplexity: Optional[float]
     entropy_bits: float
     counts: List[int] = field(repr=False)
+    #: with ``CodebookUsage(K, codebooks=C)`` (C > 1): C, and each codebook's figures (the fields above are then
+    #: those of the C·K (codebook, code) pairs, ``counts`` codebook-major); None (left out of ``to_dict``) for one
+    codebooks: Optional[int] = None
+    utilization_per_codebook: Optional[List[float]] = None
+    active_codes_per_codebook: Optional[List[int]] = None
+    dead_codes_per_codebook: Optional[List[int]] = None
+    perplexity_per_codebook: Optional[List[float]] = None
+    soft_perplexity_per_codebook: Optional[List[Optional[float]]] = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.codebooks is None:
+            for name in PER_CODEBOOK_FIELDS:
+                out.pop(name)
+        return out
+
+
+PER_CODEBOOK_FIELDS = ("codebooks", "utilization_per_codebook", "active_codes_per_codebook", "dead_codes_per_codebook",
+                       "perplexity_per_codebook", "soft_perplexity_per_codebook")
 
 
 class CodebookUsage:
@@ -63,12 +79,20 @@ class CodebookUsage:
     ``update(indices, soft_counts=None)``: any-shaped long ``indices`` and, for DDCL, the (K,) soft counts of the
     same vectors. ``compute()`` (every process calls it) sums over processes and applies ``USAGE_DEFINITIONS``.
     Out-of-range indices are a ValueError (on an accelerator raised by ``compute``).
+
+    ``codebooks=C`` > 1 (a residual or grouped quantizer: ``ResidualDDCL``, ``GroupedDDCL``, ResidualVQ): ``indices``
+    (..., C), one entry per codebook, −1 for a level left out (quantizer dropout, not counted); ``soft_counts``
+    (C, K). ``compute()`` then adds each codebook's utilization, active and dead codes and perplexity
+    (``*_per_codebook`` lists, the same definitions per codebook); the aggregate fields count the C·K
+    (codebook, code) pairs as one codebook (``utilization`` = Σ active / (C·K)). A codebook shared by every level
+    is one codebook: count its pooled use with ``CodebookUsage(K)`` and all the indices.
     """
 
-    def __init__(self, num_codes: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_codes: int, device: torch.device | str = "cpu", *, codebooks: int = 1):
         self.num_codes = check_positive_int("num_codes", num_codes)
-        self.counts = torch.zeros(num_codes, dtype=torch.long, device=device)
-        self.soft_mass = torch.zeros(num_codes, dtype=torch.float64, device=device)
+        self.codebooks = check_positive_int("codebooks", codebooks)
+        self.counts = torch.zeros(num_codes * codebooks, dtype=torch.long, device=device)
+        self.soft_mass = torch.zeros(num_codes * codebooks, dtype=torch.float64, device=device)
         self.out_of_range = torch.zeros((), dtype=torch.long, device=device)  # deferred check, see above
         self.has_soft = False
 
@@ -80,6 +104,8 @@ class CodebookUsage:
 
     @torch.no_grad()
     def update(self, indices: Tensor, soft_counts: Optional[Tensor] = None) -> None:
+        if self.codebooks > 1:
+            return self._update_codebooks(indices, soft_counts)
         flat = indices.reshape(-1).to(self.counts.device).long()
         if flat.device.type == "cpu":
             if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_codes):
@@ -92,6 +118,26 @@ class CodebookUsage:
             if soft_counts.shape != (self.num_codes,):
                 raise ValueError(f"expected soft_counts of shape ({self.num_codes},), got {tuple(soft_counts.shape)}")
             self.soft_mass += soft_counts.detach().to(self.soft_mass.device, torch.float64)
+            self.has_soft = True
+
+    def _update_codebooks(self, indices: Tensor, soft_counts: Optional[Tensor]) -> None:
+        """(..., C) indices (−1: not counted) -> counts of codebook c at c·K + index."""
+        c, k = self.codebooks, self.num_codes
+        if indices.dim() == 0 or indices.shape[-1] != c:
+            raise ValueError(f"expected indices of shape (..., {c}), one entry per codebook, got shape "
+                             f"{tuple(indices.shape)}")
+        idx = indices.to(self.counts.device).long().reshape(-1, c)
+        if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= k):
+            raise ValueError(f"expected indices in [-1, {k - 1}] (-1: a level left out), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        kept = (idx >= 0) & (idx < k)
+        self.out_of_range += (idx.numel() - kept.sum()) - (idx == -1).sum()  # deferred check (accelerators)
+        flat = (idx.clamp(0, k - 1) + torch.arange(c, device=idx.device) * k)[kept]
+        self.counts.index_add_(0, flat, torch.ones_like(flat))
+        if soft_counts is not None:
+            if soft_counts.shape != (c, k):
+                raise ValueError(f"expected soft_counts of shape ({c}, {k}), got {tuple(soft_counts.shape)}")
+            self.soft_mass += soft_counts.detach().reshape(-1).to(self.soft_mass.device, torch.float64)
             self.has_soft = True
 
     def _count_on_device(self, flat: Tensor) -> None:
@@ -108,12 +154,24 @@ class CodebookUsage:
         soft = all_reduce_sum_(self.soft_mass.clone())
         total = int(counts.sum())
         active = int((counts > 0).sum())
+        size = counts.numel()
         entropy = _entropy(counts) if total > 0 else 0.0
         soft_perplexity = math.exp(_entropy(soft)) if self.has_soft and float(soft.sum()) > 0 else None
-        return UsageStats(num_codes=self.num_codes, num_vectors=total, utilization=active / self.num_codes,
-                          active_codes=active, dead_codes=self.num_codes - active,
-                          perplexity=math.exp(entropy), soft_perplexity=soft_perplexity,
-                          entropy_bits=entropy / math.log(2), counts=[int(c) for c in counts.tolist()])
+        stats = UsageStats(num_codes=self.num_codes, num_vectors=total, utilization=active / size,
+                           active_codes=active, dead_codes=size - active,
+                           perplexity=math.exp(entropy), soft_perplexity=soft_perplexity,
+                           entropy_bits=entropy / math.log(2), counts=[int(c) for c in counts.tolist()])
+        if self.codebooks > 1:
+            per, per_soft = counts.reshape(self.codebooks, -1), soft.reshape(self.codebooks, -1)
+            alive = [int((row > 0).sum()) for row in per]
+            stats.codebooks = self.codebooks
+            stats.utilization_per_codebook = [a / self.num_codes for a in alive]
+            stats.active_codes_per_codebook = alive
+            stats.dead_codes_per_codebook = [self.num_codes - a for a in alive]
+            stats.perplexity_per_codebook = [math.exp(_entropy(row)) if int(row.sum()) > 0 else 1.0 for row in per]
+            stats.soft_perplexity_per_codebook = [
+                math.exp(_entropy(row)) if self.has_soft and float(row.sum()) > 0 else None for row in per_soft]
+        return stats
 
 
 #: LlamaGen's and visual-tokenizer-pytorch's queue of recent training indices

@@ -457,8 +457,10 @@ def test_swap_quantizer_without_a_quantizer_names_what_it_looked_for():
     message = str(err.value)
     for looked_for in ("VectorQuantizer2", "VectorQuantize ", "vq_embed_dim", "_commitment_cost"):
         assert looked_for in message
-    with pytest.raises(ValueError, match=r"unsupported quantizer-like modules seen: rvq \(ResidualVQ\)"):
-        swap_quantizer(nn.ModuleDict({"rvq": ResidualVQ(dim=8, num_quantizers=2, codebook_size=16)}))
+    # (ResidualVQ is swapped since issue 59: ResidualSimVQ, a composite without an adapter, stands in for it)
+    from vector_quantize_pytorch import ResidualSimVQ
+    with pytest.raises(ValueError, match=r"unsupported quantizer-like modules seen: rvq \(ResidualSimVQ\)"):
+        swap_quantizer(nn.ModuleDict({"rvq": ResidualSimVQ(dim=8, num_quantizers=2, codebook_size=16)}))
     host = nn.Sequential(VectorQuantize(dim=4, codebook_size=8))
     swap_quantizer(host)
     with pytest.raises(ValueError, match="already DDCL adapters: 0"):
@@ -531,3 +533,164 @@ def test_ddcl_options_are_the_quantizers_keyword_arguments_shared_by_every_adapt
         NotebookQuantizerAdapter(8, 4, 0.5, beta=0.3)
     with pytest.raises(ValueError, match="commitment weight once, as commitment_weight"):
         VQPAdapter(4, 8, beta=0.3)
+
+
+# ---------------------------------------------------------------- residual hosts (issue 59)
+
+class RVQAutoencoder(nn.Module):
+    """A sequence autoencoder built on vector-quantize-pytorch's ResidualVQ, the way its README uses it."""
+
+    def __init__(self, **rvq):
+        super().__init__()
+        self.encoder = nn.Linear(16, 8)
+        self.rvq = ResidualVQ(dim=8, num_quantizers=3, codebook_size=32, **rvq)
+        self.decoder = nn.Linear(8, 16)
+
+    def forward(self, x):
+        quantized, indices, losses = self.rvq(self.encoder(x))
+        return self.decoder(quantized), indices, losses
+
+
+def sequences(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(24, 16, generator=torch.Generator().manual_seed(7)) * 2
+    return centres[torch.randint(0, 24, (n, 12), generator=g)] + 0.3 * torch.randn(n, 12, 16, generator=g)
+
+
+def test_residual_vq_swap_keeps_outputs_index_shapes_decoding_and_state_dict_keys():
+    from ddcl_vq.adapters import ResidualVQAdapter
+    torch.manual_seed(0)
+    model = RVQAutoencoder()
+    host_keys = sorted(model.state_dict())
+    x = sequences(16)
+    with torch.no_grad():
+        _, host_indices, host_losses = model.eval()(x)
+    model.train()
+    [(name, old, adapter)] = swap_quantizer(model)
+    assert name == "rvq" and isinstance(adapter, ResidualVQAdapter) and adapter.ddcl.num_levels == 3
+    assert torch.equal(adapter.codebooks.detach(), old.codebooks.detach())
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(30):                                            # the host's loop, unchanged
+        recon, indices, losses = model(sequences(16, seed=step))
+        loss = F.mse_loss(recon, sequences(16, seed=step)) + losses.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert indices.shape == host_indices.shape == (16, 12, 3) and losses.shape == host_losses.shape == (3,)
+    model.eval()
+    with torch.no_grad():
+        recon, indices, losses = model(x)
+        quantized, _, _, all_codes = model.rvq(model.encoder(x), return_all_codes=True)
+        assert all_codes.shape == (3, 16, 12, 8)
+        assert torch.allclose(all_codes.sum(0), quantized, atol=1e-6)
+        assert torch.allclose(model.rvq.get_output_from_indices(indices), quantized, atol=1e-6)
+        coarse = model.rvq.get_codes_from_indices(indices[..., :2])           # a prefix: the last level is zero
+        assert coarse.shape == (3, 16, 12, 8) and not coarse[2].any() and torch.equal(coarse[:2], all_codes[:2])
+    state = model.state_dict()
+    assert sorted(state) == host_keys                                  # the host's own keys
+    plain = RVQAutoencoder()
+    plain.load_state_dict(state)                                       # adapter -> host (strict)
+    with torch.no_grad():
+        assert torch.equal(plain.eval()(x)[1], indices)                # the host decodes the same codes
+    again = RVQAutoencoder()
+    swap_quantizer(again)
+    again.load_state_dict(plain.state_dict())                          # host -> adapter (strict)
+    with torch.no_grad():
+        assert torch.equal(again.eval()(x)[0], recon)
+
+
+def test_residual_vq_swap_keeps_projections_dropout_shared_codebooks_and_masks():
+    torch.manual_seed(0)
+    host = ResidualVQ(dim=8, num_quantizers=3, codebook_size=16, codebook_dim=4, quantize_dropout=True,
+                      shared_codebook=True)
+    adapter = swap_quantizer(host)
+    assert adapter.ddcl.shared_codebook and adapter.ddcl.quantize_dropout and adapter.has_projections
+    assert sorted(adapter.state_dict()) == sorted(host.state_dict())
+    x = torch.randn(32, 10, 8)
+    quantized, indices, losses = adapter(x)
+    assert quantized.shape == x.shape and indices.shape == (32, 10, 3) and (indices == -1).any()
+    adapter.eval()
+    assert (adapter(x)[1] >= 0).all()                                  # dropout only in training
+    mask = torch.arange(10)[None] < torch.tensor([10, 4])[:, None]
+    quantized, indices, _ = adapter(x[:2], mask=mask)
+    assert (indices[1, 4:] == -1).all() and not quantized[1, 4:].any() and (indices[mask] >= 0).all()
+
+
+def test_grouped_residual_vq_swap_keeps_the_grouped_convention():
+    from vector_quantize_pytorch import GroupedResidualVQ
+
+    from ddcl_vq.adapters import GroupedResidualVQAdapter
+    torch.manual_seed(0)
+    host = GroupedResidualVQ(dim=8, groups=2, num_quantizers=3, codebook_size=16)
+    x = torch.randn(4, 6, 8)
+    _, host_indices, host_losses = host(x)
+    adapter = swap_quantizer(host)
+    assert isinstance(adapter, GroupedResidualVQAdapter) and sorted(adapter.state_dict()) == sorted(host.state_dict())
+    quantized, indices, losses = adapter(x)
+    assert quantized.shape == x.shape and indices.shape == host_indices.shape == (2, 4, 6, 3)
+    assert losses.shape == host_losses.shape == (2, 3)
+    adapter.eval()
+    quantized, indices, _ = adapter(x)
+    assert torch.allclose(adapter.get_output_from_indices(indices), quantized, atol=1e-6)
+    assert adapter.get_codes_from_indices(indices).shape == host.get_codes_from_indices(indices).shape
+    host.load_state_dict(adapter.state_dict())                         # strict
+    assert torch.equal(host.eval()(x)[1], indices)
+
+
+def test_residual_hosts_without_learned_or_with_unit_codes_are_refused_in_one_line():
+    from vector_quantize_pytorch import ResidualFSQ, ResidualLFQ
+    cases = [
+        (ResidualFSQ(dim=8, levels=[8, 5, 5], num_quantizers=2), r"cannot swap ResidualFSQ: its codes are a fixed"),
+        (nn.Sequential(ResidualLFQ(dim=8, codebook_size=16, num_quantizers=2)),
+         r"cannot swap ResidualLFQ: its codes are fixed sign patterns .* \(at 0\)"),
+        (ResidualVQ(dim=8, num_quantizers=2, codebook_size=16, use_cosine_sim=True),
+         r"cannot swap ResidualVQ: its codes are l2-normalised"),
+        (ResidualVQ(dim=8, num_quantizers=2, codebook_size=16, orthogonal_reg_weight=1.0),
+         r"cannot swap ResidualVQ with orthogonal_reg_weight"),
+        (ResidualVQ(dim=8, num_quantizers=2, codebook_size=16, quantize_dropout=True,
+                    quantize_dropout_cutoff_index=1), r"quantize_dropout_cutoff_index"),
+    ]
+    for host, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            swap_quantizer(host)
+        assert "\n" not in str(err.value)
+    # a VectorQuantize with cosine codes inside a model is refused too, and the model is left as it was
+    model = nn.Sequential(VectorQuantize(dim=4, codebook_size=8, use_cosine_sim=True))
+    with pytest.raises(ValueError, match="use_cosine_sim=True"):
+        swap_quantizer(model)
+    assert isinstance(model[0], VectorQuantize)
+
+
+def test_vqvae2_quantize_and_encodec_residual_hosts_swap_with_their_keys():
+    """Small re-implementations of VQ-VAE-2 Quantize and EnCodec ResidualVectorQuantization (attributes, buffers, keys)."""
+    from torch import nn
+    from ddcl_vq import swap_quantizer
+    class Quantize(nn.Module):
+        def __init__(self, dim, n_embed, decay=0.99, eps=1e-5):
+            super().__init__(); self.dim, self.n_embed, self.decay, self.eps = dim, n_embed, decay, eps
+            embed = torch.randn(dim, n_embed)
+            self.register_buffer("embed", embed); self.register_buffer("cluster_size", torch.zeros(n_embed)); self.register_buffer("embed_avg", embed.clone())
+        def embed_code(self, i): return F.embedding(i, self.embed.transpose(0, 1))
+    class EuclideanCodebook(nn.Module):
+        def __init__(self, dim, K):
+            super().__init__(); self.register_buffer("inited", torch.Tensor([True])); self.register_buffer("cluster_size", torch.zeros(K))
+            e = torch.randn(K, dim); self.register_buffer("embed", e); self.register_buffer("embed_avg", e.clone())
+    class VectorQuantization(nn.Module):
+        def __init__(self, dim, K):
+            super().__init__(); self.project_in = nn.Identity(); self.project_out = nn.Identity(); self._codebook = EuclideanCodebook(dim, K); self.commitment_weight = 1.0
+    class ResidualVectorQuantization(nn.Module):
+        def __init__(self, n, dim, K):
+            super().__init__(); self.layers = nn.ModuleList([VectorQuantization(dim, K) for _ in range(n)])
+    class ResidualVectorQuantizer(nn.Module):
+        def __init__(self): super().__init__(); self.vq = ResidualVectorQuantization(3, 8, 16)
+    m = nn.ModuleDict({"q": Quantize(8, 16), "rvq": ResidualVectorQuantizer()})
+    keys = sorted(m.state_dict())
+    assert [(s.name, type(s.new).__name__) for s in swap_quantizer(m)] == [("q", "VQVAE2QuantizeAdapter"), ("rvq.vq", "EncodecRVQAdapter")]
+    q, d, i = m["q"](torch.randn(2, 4, 4, 8)); assert q.shape == (2, 4, 4, 8) and d.dim() == 0 and i.shape == (2, 4, 4)
+    enc = m["rvq"].vq; x = torch.randn(2, 8, 10)
+    qo, idx, l = enc(x); assert qo.shape == x.shape and idx.shape == (3, 2, 10) and l.shape == (3, 1)
+    qo, idx, l = enc(x, n_q=2); assert idx.shape == (2, 2, 10) and l.shape == (2, 1)
+    enc.eval(); qo, idx, l = enc(x); assert torch.allclose(enc.decode(idx), qo, atol=1e-6) and enc.encode(x, 2).shape == (2, 2, 10)
+    m["q"].eval(); q, d, i = m["q"](torch.randn(2, 4, 4, 8)); assert torch.allclose(m["q"].embed_code(i), q)
+    assert sorted(m.state_dict()) == keys
+    m2 = nn.ModuleDict({"q": Quantize(8, 16), "rvq": ResidualVectorQuantizer()}); m2.load_state_dict(m.state_dict()); swap_quantizer(m2); m2.load_state_dict(m.state_dict())

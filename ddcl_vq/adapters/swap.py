@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import torch
 from torch import nn
 
 from .notebook import NotebookQuantizerAdapter
 from .options import DDCLOptions
+from .residual import EncodecRVQAdapter, GroupedResidualVQAdapter, ResidualVQAdapter, refusal_for
 from .taming import TamingQuantizerAdapter
 from .vqp import VQPAdapter
+from .vqvae2 import VQVAE2QuantizeAdapter
 
 
 class SwappedQuantizer(NamedTuple):
@@ -21,9 +24,12 @@ class SwappedQuantizer(NamedTuple):
 
 LOOKED_FOR = (
     "diffusers/taming VectorQuantizer or VectorQuantizer2 (attributes embedding, n_e, e_dim or vq_embed_dim, beta); "
-    "vector-quantize-pytorch VectorQuantize (codebook_size, dim, codebook, _codebook); "
+    "vector-quantize-pytorch VectorQuantize (codebook_size, dim, codebook, _codebook), "
+    "ResidualVQ (layers, num_quantizers, codebooks) and GroupedResidualVQ (rvqs, groups); "
     "the VQ-VAE notebook's VectorQuantizer or VectorQuantizerEMA "
-    "(_embedding, _num_embeddings, _embedding_dim, _commitment_cost)")
+    "(_embedding, _num_embeddings, _embedding_dim, _commitment_cost); "
+    "VQ-VAE-2's Quantize (buffers embed (dim, n_embed), cluster_size, embed_avg); "
+    "EnCodec's ResidualVectorQuantization (layers of VectorQuantization with _codebook.embed)")
 
 
 def _is_taming(m: nn.Module) -> bool:
@@ -38,12 +44,38 @@ def _is_vqp(m: nn.Module) -> bool:
             and hasattr(m, "_codebook") and hasattr(m, "codebook"))
 
 
+def _is_residual_vqp(m: nn.Module) -> bool:
+    return (type(m).__name__ == "ResidualVQ" and isinstance(getattr(m, "layers", None), nn.ModuleList)
+            and hasattr(m, "num_quantizers") and hasattr(m, "codebooks"))
+
+
+def _is_grouped_residual_vqp(m: nn.Module) -> bool:
+    return (type(m).__name__ == "GroupedResidualVQ" and isinstance(getattr(m, "rvqs", None), nn.ModuleList)
+            and hasattr(m, "groups"))
+
+
+def _is_vqvae2(m: nn.Module) -> bool:
+    embed = getattr(m, "embed", None)
+    return (type(m).__name__ == "Quantize" and isinstance(embed, torch.Tensor) and embed.dim() == 2
+            and hasattr(m, "cluster_size") and hasattr(m, "embed_avg") and hasattr(m, "dim")
+            and hasattr(m, "n_embed") and tuple(embed.shape) == (m.dim, m.n_embed))
+
+
+def _is_encodec_rvq(m: nn.Module) -> bool:
+    layers = getattr(m, "layers", None)
+    return (type(m).__name__ == "ResidualVectorQuantization" and isinstance(layers, nn.ModuleList) and len(layers) > 0
+            and all(hasattr(getattr(layer, "_codebook", None), "embed") for layer in layers)
+            and all(hasattr(layer._codebook, "inited") for layer in layers))
+
+
 def _is_notebook(m: nn.Module) -> bool:
     return (isinstance(getattr(m, "_embedding", None), nn.Embedding) and hasattr(m, "_num_embeddings")
             and hasattr(m, "_embedding_dim") and hasattr(m, "_commitment_cost"))
 
 
-_FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_notebook, NotebookQuantizerAdapter))
+_FAMILIES = ((_is_taming, TamingQuantizerAdapter), (_is_vqp, VQPAdapter), (_is_residual_vqp, ResidualVQAdapter),
+             (_is_grouped_residual_vqp, GroupedResidualVQAdapter), (_is_notebook, NotebookQuantizerAdapter),
+             (_is_vqvae2, VQVAE2QuantizeAdapter), (_is_encodec_rvq, EncodecRVQAdapter))
 _ADAPTERS = tuple(adapter for _, adapter in _FAMILIES)
 
 
@@ -65,9 +97,14 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQ
     Call it before building the optimizer.
 
     Returns a list of ``SwappedQuantizer(name, old, new)`` (for a bare quantizer: the adapter); ValueError when
-    the model holds no recognised quantizer.
+    the model holds no recognised quantizer, or holds a host whose codes are not learned (``ResidualFSQ``,
+    ``ResidualLFQ``: :data:`~ddcl_vq.adapters.residual.REFUSED_HOSTS`) or are l2-normalised (cosine).
     """
     DDCLOptions.from_kwargs(ddcl_options)  # reject unknown options before touching the model
+    for name, module in model.named_modules():  # hosts whose codes DDCL cannot take over: refused, never skipped
+        reason = refusal_for(module)
+        if reason:
+            raise ValueError(f"{reason} (at {name or 'the root'})")
     root_adapter = adapter_for(model)
     if root_adapter is not None:
         return root_adapter.from_quantizer(model, **ddcl_options)
@@ -83,10 +120,15 @@ def swap_quantizer(model: nn.Module, **ddcl_options: Any) -> Union[List[SwappedQ
                 found.setdefault(id(child), (name, child, adapter))
             elif isinstance(child, _ADAPTERS):
                 already.append(name)
-            elif ("quantiz" in type(child).__name__.lower()
-                  or type(child).__module__.split(".")[0] == "vector_quantize_pytorch"):
-                # e.g. GumbelQuantize, or a vector-quantize-pytorch composite (ResidualVQ, ...)
+            elif type(child).__module__.split(".")[0] == "vector_quantize_pytorch":
+                # a vector-quantize-pytorch composite without an adapter (ResidualSimVQ, ...): not entered
                 unsupported.append(f"{name} ({type(child).__name__})")
+            elif "quantiz" in type(child).__name__.lower():
+                # e.g. GumbelQuantize; or a wrapper around a recognised one (EnCodec's ResidualVectorQuantizer)
+                before = len(found)
+                visit(child, name)
+                if len(found) == before:
+                    unsupported.append(f"{name} ({type(child).__name__})")
             else:
                 visit(child, name)
 
