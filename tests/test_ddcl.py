@@ -331,7 +331,7 @@ def test_the_top_level_names_the_public_api():
         "Quantizer", "QuantizerOutput", "DDCLQuantizer", "HardVQ", "EMAVQ", "VQPQuantizer", "FSQQuantizer",
         "SimVQQuantizer", "LFQQuantizer", "IBQQuantizer", "FVQQuantizer", "CodebookUsage", "UsageStats",
         "USAGE_DEFINITIONS", "swap_quantizer", "TamingQuantizerAdapter", "VQPAdapter", "NotebookQuantizerAdapter",
-        "DDCLReadout", "HierarchicalCompressor", "prototype_param_groups"}
+        "DDCLReadout", "HierarchicalCompressor", "prototype_param_groups", "ResidualDDCL", "GroupedDDCL"}
     assert all(hasattr(ddcl_vq, name) for name in ddcl_vq.__all__) and ddcl_vq.__version__ == "0.2.0"
 
 
