@@ -1,7 +1,9 @@
 """``ddcl-vq`` (also ``python -m ddcl_vq``): one console script, one subcommand per job.
 
 Each subcommand lives in its own module with a ``main(argv)`` function; only the subcommands whose module is present are
-offered, so ``--help`` never lists one that does not work.
+offered, so ``--help`` never lists one that does not work. The commands need the ``train`` extra
+(``pip install 'ddcl-vq[train]'``); the library alone (``pip install ddcl-vq``) needs torch and einops, and
+a command run without the extra says so in one line (exit 2) instead of a traceback.
 """
 from __future__ import annotations
 
@@ -28,6 +30,23 @@ COMMANDS = {
 
 #: (command, subcommand) served by another module than the command's own
 ROUTES = {("prior", "study"): "ddcl_vq.studies.prior_study"}
+
+#: import name -> distribution of every package the commands need beyond torch and einops: the ``train``
+#: extra of pyproject.toml (tests/test_packaging.py checks that the two agree)
+TRAIN_EXTRA = {
+    "torchvision": "torchvision", "numpy": "numpy", "yaml": "pyyaml", "tqdm": "tqdm", "tensorboard": "tensorboard",
+    "PIL": "pillow", "skimage": "scikit-image", "torchmetrics": "torchmetrics", "lpips": "lpips",
+    "matplotlib": "matplotlib", "huggingface_hub": "huggingface_hub", "safetensors": "safetensors",
+}
+
+
+def missing_extra(name: str, err: ModuleNotFoundError) -> Optional[str]:
+    """The one-line message for a command that failed on a missing package of the ``train`` extra, else None."""
+    top = (err.name or "").split(".")[0]
+    if top not in TRAIN_EXTRA:
+        return None
+    return f"ddcl-vq: the command {name!r} needs the toolkit's extra: pip install 'ddcl-vq[train]' " \
+           f"(missing: {TRAIN_EXTRA[top]})"
 
 
 def available() -> dict:
@@ -59,7 +78,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     module = commands[name][0]
     if rest and (name, rest[0]) in ROUTES:
         module, rest = ROUTES[(name, rest[0])], rest[1:]
-    code = int(importlib.import_module(module).main(rest) or 0)
+    try:
+        code = int(importlib.import_module(module).main(rest) or 0)
+    except ModuleNotFoundError as err:  # an extra's package, imported by the command's module or inside it
+        message = missing_extra(name, err)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
     if code == 0:  # a command run under torchrun: after success only (a barrier after a failure could hang)
         from ddcl_vq.common.skeleton import teardown_distributed
         teardown_distributed()
