@@ -77,7 +77,8 @@ def test_the_pass_counts_every_level_and_reconstructs_from_the_first_levels(resi
     block = codebook_block(model.quantizer, usage)
     for key in ("utilization", "dead_codes", "perplexity", "active_codes", "entropy_bits", "soft_perplexity"):
         assert block[key] == pytest.approx(sum(block[f"{key}_per_level"]) / L), key  # the mean over levels
-    assert block["levels"] == L and block["num_vectors"] == 192 * 64 and block["num_vectors_per_level"] == [192 * 64] * L
+    assert block["levels"] == L and block["num_vectors"] == 192 * 64
+    assert block["num_vectors_per_level"] == [192 * 64] * L
     assert block["entropy_bits_per_level"] == pytest.approx([math.log2(p) for p in block["perplexity_per_level"]])
     assert 0 < block["utilization_ceiling"] <= 1 and block["min_code_distance"] > 0
     assert len(block["utilization_per_level"]) == len(block["dead_codes_per_level"]) == L

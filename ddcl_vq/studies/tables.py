@@ -16,6 +16,7 @@ from ddcl_vq.common.progress import fmt
 from ddcl_vq.tokenizer.metrics import definitions
 from ddcl_vq.common.runlog import ms_per_step, train_seconds
 
+
 def count_cell(key: str) -> Callable[[Dict], str]:
     """A column format for a count that is a mean over levels for a quantizer with several codebooks: ``d`` for
     an int, ``.1f`` for a fractional mean, ``—`` for None."""
@@ -28,7 +29,8 @@ COLUMNS = [  # (key, header, format)
     ("hard_lpips", "LPIPS hard", ".4f"), ("soft_psnr", "PSNR soft (dB)", ".2f"),
     ("soft_minus_hard_psnr", "soft−hard PSNR", "+.2f"), ("utilization", "utilization", ".1%"),
     ("queue_utilization", "util. (queue)", ".1%"), ("batch_utilization", "util. (batch)", ".1%"),
-    ("dead_codes", "dead codes", count_cell("dead_codes")), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
+    ("dead_codes", "dead codes", count_cell("dead_codes")), ("perplexity", "perplexity", ".1f"),
+    ("steps", "steps", "d"),
     ("train_seconds", "train time (s)", ".0f"), ("ms_per_step", "ms/step", ".1f"),
 ]
 #: the columns of table.md and of what compare prints: those of the results tables in docs/results.md (PSNR, LPIPS,
@@ -66,8 +68,10 @@ ms/step         = milliseconds of wall-clock time per training step, from metric
 PER_LEVEL_COLUMNS = ("levels", "utilization_per_level", "active_codes_per_level", "dead_codes_per_level",
                      "perplexity_per_level", "soft_perplexity_per_level", "hard_psnr_by_levels", "hard_mse_by_levels")
 PER_LEVEL_COLUMN_DEFINITIONS = """\
-several codebooks (residual levels, groups): table.csv and table.json add, for such runs (empty for the others):
-levels          = the number of codebooks L; utilization, dead codes, perplexity above are then the mean over them
+several codebooks (residual levels, groups): table.csv and table.json add, for such runs (empty
+                  for the others):
+levels          = the number of codebooks L; utilization, dead codes and perplexity above are
+                  then the means over them
 *_per_level     = each codebook's utilization, active and dead codes, perplexity, soft perplexity
                   (lists in index order; CSV: space-separated)
 hard_psnr_by_levels, hard_mse_by_levels = residual quantizers: PSNR / MSE decoded from the hard codes

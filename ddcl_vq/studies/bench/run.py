@@ -174,9 +174,9 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
               memory: str = "rss", e2e: Optional[dict] = None, vqgan: Optional[dict] = None, progress: bool = False,
               calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu",
               only_at: Optional[Dict[str, Sequence[Tuple[int, int, int]]]] = None) -> List[dict]:
-    """Measure ``impls`` at ``shapes`` on ``device`` (``only_at``: impl -> the only shapes it is measured at), then the VQ-VAE step (:func:`e2e_rows` with the keyword
-    arguments ``e2e``) and the VQGAN-recipe step (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with
-    ratios."""
+    """Measure ``impls`` at ``shapes`` on ``device`` (``only_at``: impl -> the only shapes it is measured at), then
+    the VQ-VAE step (:func:`e2e_rows` with the keyword arguments ``e2e``) and the VQGAN-recipe step
+    (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with ratios."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():

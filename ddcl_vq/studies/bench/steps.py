@@ -211,7 +211,8 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         quant = SimVQQuantizer(k, d, channel_dim=-1, codebook_bias=True, data_init=True, rotation_trick=False)
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
-    if name not in ("vqp", "simvq-eval", "ddcl-residual4"):  # the shared codebook (the wrapped peers keep their own initialisation)
+    # the shared codebook (the wrapped peers keep their own initialisation; ddcl-residual4 has it at every level)
+    if name not in ("vqp", "simvq-eval", "ddcl-residual4"):
         (quant.embed if name == "emavq" else quant.weight.data).copy_(inp.codebook.cpu())
     if name.endswith("-eval"):  # what ``ddcl-vq evaluate`` asks of a batch: no gradient (DDCL: hard and soft codes)
         quant.to(device).eval()
