@@ -216,7 +216,7 @@ def add_ratios(rows: List[dict]) -> None:
             baseline = VQP_BASELINE.get(name, "vqp")  # the residual rows: against ResidualVQ
             vqp = group.get(baseline, {}).get("ms")
             r["x_vqp"] = round(r["ms"] / vqp, 3) if vqp else None
-            if baseline != "vqp":
+            if baseline != "vqp" and vqp:  # named where it was measured
                 r["x_vqp_of"] = baseline
             # % of the rate of the six bare matmuls: 100 = as fast as the six matmuls alone (the residual rows:
             # as fast as one set of six per level)
