@@ -1,5 +1,5 @@
-"""The tables of docs/reference/config.md, the commands of docs/reference/cli.md and the report definitions of
-docs/reference/quantizer.md, generated from the code.
+"""The tables of docs/reference/config.md, the commands of docs/reference/cli.md and the report definitions and
+multi-codebook argument tables of docs/reference/quantizer.md, generated from the code.
 
     .venv/bin/python scripts/docs_reference.py            # rewrite the blocks between the markers
     .venv/bin/python scripts/docs_reference.py --check    # exit 1, naming the page, when one differs from the code
@@ -170,12 +170,28 @@ def cli_blocks() -> Dict[str, str]:
     return {"commands": "\n".join(out)}
 
 
+def argument_table(cls: type) -> str:
+    """A markdown table of ``cls``'s constructor: every argument (``**options`` too), its default, and the first
+    sentence of its entry in the ``Args:`` section of the class docstring."""
+    rows = ["| argument | default | what it does |", "|---|---|---|"]
+    for name, p in inspect.signature(cls).parameters.items():
+        if p.kind is p.VAR_KEYWORD:
+            shown, key, default = f"**{name}", re.escape(f"**{name}"), "—"
+        else:
+            shown, key, default = name, name, "—" if p.default is p.empty else f"`{p.default!r}`"
+        rows.append(f"| `{shown}` | {default} | {cell(described(cls, key))} |")
+    return "\n".join(rows)
+
+
 def definition_blocks() -> Dict[str, str]:
-    """quantizer.md: the definitions the reports print (``ddcl_vq.USAGE_DEFINITIONS``; reconstruction and geometry)."""
-    from ddcl_vq import USAGE_DEFINITIONS
-    from ddcl_vq.tokenizer.metrics import GEOMETRY_DEFINITIONS, RECON_DEFINITIONS
+    """quantizer.md: the definitions the reports print (``ddcl_vq.USAGE_DEFINITIONS``; reconstruction and geometry;
+    per level), and the argument tables of the multi-codebook quantizers (from their docstrings)."""
+    from ddcl_vq import USAGE_DEFINITIONS, GroupedDDCL, ResidualDDCL
+    from ddcl_vq.tokenizer.metrics import GEOMETRY_DEFINITIONS, PER_LEVEL_DEFINITIONS, RECON_DEFINITIONS
     return {"usage_definitions": f"```\n{USAGE_DEFINITIONS}\n```",
-            "report_definitions": f"```\n{RECON_DEFINITIONS}\n{GEOMETRY_DEFINITIONS}\n```"}
+            "report_definitions": f"```\n{RECON_DEFINITIONS}\n{GEOMETRY_DEFINITIONS}\n```",
+            "per_level_definitions": f"```\n{PER_LEVEL_DEFINITIONS}\n```",
+            "residual_arguments": argument_table(ResidualDDCL), "grouped_arguments": argument_table(GroupedDDCL)}
 
 
 def expected(page: Path, make: Callable[[], Dict[str, str]]) -> str:

@@ -145,3 +145,21 @@ def test_vqgan_rows_are_skipped_with_the_reason_without_the_config(tmp_path, cap
     assert [r["impl"] for r in rows] == ["vqgan-step-ddcl", "vqgan-step-hardvq"]
     assert all(r["ms"] is None and "vqgan_photos64.yaml not found" in r["skipped"] for r in rows)
     assert "skipped: VQGAN-recipe step" in format_table(rows)
+
+
+def test_residual_rows_compare_residual_ddcl_with_residual_vq(capsys):
+    # ResidualDDCL (4 levels) against vector-quantize-pytorch's ResidualVQ(num_quantizers=4) at the same K and D
+    rows = {r["impl"]: r for r in run_bench([(64, 4, 16)], ["ddcl-residual4", "vqp-residual4", "vqp", "matmul6"],
+                                            warmup=1, repeats=1, budget_seconds=5, max_seconds=10,
+                                            calibration=1e-10)}
+    ddcl, rvq = rows["ddcl-residual4"], rows["vqp-residual4"]
+    assert ddcl["ms"] > 0 and rvq["ms"] > 0 and (ddcl["peak_mb"] is None or ddcl["peak_mb"] >= 0)
+    assert ddcl["x_vqp"] == round(ddcl["ms"] / rvq["ms"], 3) and rvq["x_vqp"] == 1.0
+    assert ddcl["x_vqp_of"] == "vqp-residual4" and "x_vqp_of" not in rows["vqp"] and rows["vqp"]["x_vqp"] == 1.0
+    assert ddcl["pct_matmul6"] == round(100.0 * 4 * rows["matmul6"]["ms"] / ddcl["ms"], 1)
+    assert "x VQP against vqp-residual4" in format_table(list(rows.values()))
+    # quick mode: the residual rows at the smaller K only
+    assert bench_main(["--quick", "--dry-run", "--impls", "ddcl-residual4", "vqp-residual4", "ddcl-mstep"]) == 0
+    planned = [line.split()[:4] for line in capsys.readouterr().out.splitlines() if line.startswith(("ddcl", "vqp"))]
+    assert sorted(p[0] for p in planned if p[3] == "K=8192") == ["ddcl-mstep"]
+    assert sorted(p[0] for p in planned if p[3] == "K=1024") == ["ddcl-mstep", "ddcl-residual4", "vqp-residual4"]

@@ -1,13 +1,47 @@
 """What every adapter shares: the DDCL quantizer, its codebook saved under the host's key, ``last_output``."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ..base import QuantizerOutput
 from ..ddcl import STATE_BUFFERS, DDCLQuantizer
+
+
+def masked_run(h: Tensor, mask: Optional[Tensor], run: Callable[[Tensor], Tuple[Any, ...]], shape: Tuple[int, ...],
+               index_tail: Tuple[int, ...] = ()) -> Tuple[Tensor, Tensor, Optional[Tensor], Tuple[Any, ...]]:
+    """A quantizer run on a sequence's valid positions only, as vector-quantize-pytorch's ``mask``.
+
+    ``h`` (B, N, d) channel-last features (after ``project_in``); ``mask`` (B, N) or None (every position);
+    ``run(z)`` returns a tuple whose first item is the :class:`~ddcl_vq.base.QuantizerOutput` for z (N', d);
+    ``shape`` is the caller's input shape (for the error); ``index_tail`` the indices' trailing axes (residual: (Q,)).
+    Returns ``(codes, indices, mask, result)``: codes (B, N, d), zeros at padding; indices mask.shape + index_tail,
+    −1 at padding; the mask as bool (None when none was given); ``result`` what ``run`` returned. Without a mask,
+    ``run`` sees ``h`` itself. ValueError for a mask that is not (B, N) over a (B, N, d) sequence."""
+    if mask is None:
+        result = run(h)
+        return result[0].quantized, result[0].indices, None, result
+    if h.dim() != 3 or tuple(mask.shape) != tuple(h.shape[:2]):
+        raise ValueError(f"expected a (B, N) mask for a sequence of shape {tuple(shape)}, got {tuple(mask.shape)}")
+    mask = mask.bool()
+    result = run(h[mask])  # only valid positions reach the codebook and the loss
+    out = result[0]
+    codes = h.new_zeros(h.shape)
+    codes[mask] = out.quantized
+    indices = torch.full(tuple(mask.shape) + tuple(index_tail), -1, dtype=torch.long, device=h.device)
+    indices[mask] = out.indices
+    return codes, indices, mask, result
+
+
+def masked_padding(quantized: Tensor, x_last: Tensor, mask: Optional[Tensor], zeros: bool) -> Tensor:
+    """``quantized`` (B, N, dim) with its padding positions (``mask`` False) set to zeros (``zeros``, the host's
+    ``return_zeros_for_masked_padding``) or to the input ``x_last``; unchanged without a mask."""
+    if mask is None:
+        return quantized
+    padding = torch.zeros_like(x_last) if zeros else x_last
+    return torch.where(mask[..., None], quantized, padding)
 
 
 def _drop_ddcl_weight_key(module: "_DDCLAdapter", state_dict: Dict[str, Any], prefix: str,

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ddcl import STATE_BUFFERS, ResidualDDCL
+from .common import masked_padding, masked_run
 from .options import DDCLOptions
 
 __all__ = ["ResidualVQAdapter", "GroupedResidualVQAdapter", "EncodecRVQAdapter", "REFUSED_HOSTS", "refusal_for",
@@ -184,26 +185,12 @@ class ResidualVQAdapter(nn.Module):
             raise ValueError(f"expected {layout} features, got shape {tuple(x.shape)}")
         h = self.project_in(x_last)
         seed = rand_quantize_dropout_fixed_seed
-        if mask is None:
-            out, losses = self.ddcl.forward_parts(h, dropout_seed=seed)
-            codes, all_indices = out.quantized, out.indices
-        else:
-            if x_last.dim() != 3 or tuple(mask.shape) != tuple(x_last.shape[:2]):
-                raise ValueError(f"expected a (B, N) mask for a sequence of shape {tuple(x.shape)}, "
-                                 f"got {tuple(mask.shape)}")
-            mask = mask.bool()
-            out, losses = self.ddcl.forward_parts(h[mask], dropout_seed=seed)
-            codes = h.new_zeros(h.shape)
-            codes[mask] = out.quantized
-            all_indices = torch.full(mask.shape + (self.num_quantizers,), -1, dtype=torch.long, device=x.device)
-            all_indices[mask] = out.indices
+        codes, all_indices, mask, (out, losses) = masked_run(
+            h, mask, lambda z: self.ddcl.forward_parts(z, dropout_seed=seed), x.shape, (self.num_quantizers,))
         self.last_output = type(out)(out.quantized.detach(), out.indices, out.loss.detach(),
                                      {k: v.detach() for k, v in out.terms.items()}, out.perplexity.detach(),
                                      out.soft_counts.detach())
-        quantized = self.project_out(codes)
-        if mask is not None:
-            padding = torch.zeros_like(x_last) if self.return_zeros_for_masked_padding else x_last
-            quantized = torch.where(mask[..., None], quantized, padding)
+        quantized = masked_padding(self.project_out(codes), x_last, mask, self.return_zeros_for_masked_padding)
         if channel_first:
             quantized = torch.movedim(quantized, -1, 1)
         result = (quantized, all_indices, losses)

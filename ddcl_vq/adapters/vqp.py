@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .common import _DDCLAdapter
+from .common import _DDCLAdapter, masked_padding, masked_run
 from .options import DDCLOptions
 
 
@@ -130,23 +130,8 @@ class VQPAdapter(_DDCLAdapter):
         if lens is not None:
             mask = torch.arange(x_last.shape[1], device=x.device)[None, :] < lens.to(x.device)[:, None]
         h = self.project_in(x_last)  # (B, ..., codebook_dim)
-        if mask is None:
-            out = self._run_ddcl(h)
-            codes, indices = out.quantized, out.indices
-        else:
-            if x_last.dim() != 3 or tuple(mask.shape) != tuple(x_last.shape[:2]):
-                raise ValueError(f"expected a (B, N) mask for a sequence of shape {tuple(x.shape)}, "
-                                 f"got {tuple(mask.shape)}")
-            mask = mask.bool()
-            out = self._run_ddcl(h[mask])  # only valid positions reach the codebook and the loss
-            codes = h.new_zeros(h.shape)
-            codes[mask] = out.quantized
-            indices = torch.full(mask.shape, -1, dtype=torch.long, device=x.device)
-            indices[mask] = out.indices
-        quantized = self.project_out(codes)
-        if mask is not None:
-            padding = torch.zeros_like(x_last) if self.return_zeros_for_masked_padding else x_last
-            quantized = torch.where(mask[..., None], quantized, padding)
+        codes, indices, mask, (out,) = masked_run(h, mask, lambda z: (self._run_ddcl(z),), x.shape)
+        quantized = masked_padding(self.project_out(codes), x_last, mask, self.return_zeros_for_masked_padding)
         if channel_first:
             quantized = torch.movedim(quantized, -1, 1)
         return quantized, indices, out.loss

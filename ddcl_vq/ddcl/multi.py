@@ -38,6 +38,8 @@ class MultiCodebookDDCL(Quantizer):
     num_codebooks: int
     #: what one trailing index entry is called in messages and ``terms`` ("level", "group")
     part_name = "codebook"
+    #: True when ``lookup`` decodes any prefix (..., C') of the indices, C' ≤ C (a residual chain's first levels)
+    decodes_prefixes = False
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         return self.forward_parts(z)[0]

@@ -62,12 +62,14 @@ class ResidualDDCL(MultiCodebookDDCL):
     ``forward_parts(z, dropout_seed=None, num_levels=None)`` also returns the (L,) levels' losses (shared codebook:
     the pooled loss shared out by the levels' vector counts); ``num_levels`` < L runs the first levels only (the
     others: index −1, loss 0, nothing learned), as EnCodec's ``n_q``.
-    ``lookup(indices)`` decodes (..., L') indices, any prefix L' ≤ L (index −1: a level left out, adds nothing).
+    ``lookup(indices)`` decodes (..., L') indices, any prefix L' ≤ L (index −1: a level left out, adds nothing);
+    ``decodes_prefixes`` (True) says so to callers (an evaluator measuring reconstruction against levels used).
     ``levels``: the L DDCLQuantizers in chain order (the same module L times with ``shared_codebook``);
     ``codebook``: (L, K, D), or the shared (K, D).
     """
 
     part_name = "level"
+    decodes_prefixes = True
 
     def __init__(self, num_codes: int, dim: int, num_levels: int = 4, *, shared_codebook: bool = False,
                  quantize_dropout: bool = False, warmup_steps: int = 100, channel_dim: int = 1,

@@ -6,7 +6,9 @@ without config overrides). The runs must share one dataset (name, image size, ch
 folder for image_folder): compare refuses runs of different datasets before any work. Writes
 into DIR, all at once when everything is computed (nothing partial is left on a failure):
 
-  table.md  table.csv  table.json       one row per run (columns defined in COLUMN_DEFINITIONS)
+  table.md  table.csv  table.json       one row per run (columns defined in COLUMN_DEFINITIONS; a run
+                                        whose quantizer has several codebooks adds per-level columns
+                                        to table.csv and table.json, PER_LEVEL_COLUMN_DEFINITIONS)
   usage_histograms.png                  sorted per-code usage counts, log scale, one panel per run
   usage_over_training.png               windowed utilization and perplexity from metrics.jsonl
   psnr_vs_utilization.png               hard-code PSNR against utilization
@@ -33,7 +35,7 @@ from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, EvaluateError
 from ddcl_vq.studies.freshness import ensure_eval, needs_eval
 from ddcl_vq.tokenizer.metrics import DEFINITIONS_HINT, definitions
 from ddcl_vq.studies.plots import write_plots
-from ddcl_vq.studies.tables import COLUMN_DEFINITIONS, make_row, markdown_table, unique_names, write_tables
+from ddcl_vq.studies.tables import column_definitions, make_row, markdown_table, unique_names, write_tables
 
 __all__ = ["compare", "check_one_dataset", "CompareWriteError", "main", "needs_eval"]
 
@@ -145,7 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not opts.quiet:
         print(markdown_table(rows))
         print(f"wrote table.md, table.csv, table.json (every column) and 4 plots to {opts.out}")
-        print("\ndefinitions:\n" + COLUMN_DEFINITIONS + "\n" + definitions() if opts.verbose else
+        per_level = any("utilization_per_level" in r for r in rows)
+        print("\ndefinitions:\n" + column_definitions(rows) + "\n" + definitions(per_level) if opts.verbose else
               DEFINITIONS_HINT.replace("--verbose, or", "--verbose, table.md, or"))
     return 0
 

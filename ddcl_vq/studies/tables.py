@@ -16,13 +16,21 @@ from ddcl_vq.common.progress import fmt
 from ddcl_vq.tokenizer.metrics import definitions
 from ddcl_vq.common.runlog import ms_per_step, train_seconds
 
+
+def count_cell(key: str) -> Callable[[Dict], str]:
+    """A column format for a count that is a mean over levels for a quantizer with several codebooks: ``d`` for
+    an int, ``.1f`` for a fractional mean, ``—`` for None."""
+    return lambda row: fmt(row.get(key), ".1f" if isinstance(row.get(key), float) else "d")
+
+
 COLUMNS = [  # (key, header, format)
     ("name", "run", "s"), ("type", "quantizer", "s"), ("num_codes", "K", "d"), ("settings", "settings", "s"),
     ("hard_psnr", "PSNR hard (dB)", ".2f"), ("hard_mse", "MSE hard", ".5f"), ("hard_ssim", "SSIM hard", ".4f"),
     ("hard_lpips", "LPIPS hard", ".4f"), ("soft_psnr", "PSNR soft (dB)", ".2f"),
     ("soft_minus_hard_psnr", "soft−hard PSNR", "+.2f"), ("utilization", "utilization", ".1%"),
     ("queue_utilization", "util. (queue)", ".1%"), ("batch_utilization", "util. (batch)", ".1%"),
-    ("dead_codes", "dead codes", "d"), ("perplexity", "perplexity", ".1f"), ("steps", "steps", "d"),
+    ("dead_codes", "dead codes", count_cell("dead_codes")), ("perplexity", "perplexity", ".1f"),
+    ("steps", "steps", "d"),
     ("train_seconds", "train time (s)", ".0f"), ("ms_per_step", "ms/step", ".1f"),
 ]
 #: the columns of table.md and of what compare prints: those of the results tables in docs/results.md (PSNR, LPIPS,
@@ -55,6 +63,36 @@ ms/step         = milliseconds of wall-clock time per training step, from metric
                   initialisation, first-step warm-up) are not in it (they are in train time);
                   logging and checkpoint writes are. Same caveat as train time: arms trained at
                   once (--jobs > 1) or on a loaded machine share the cores"""
+
+#: table.csv / table.json columns of a run whose quantizer has several codebooks (eval.json's per-level fields)
+PER_LEVEL_COLUMNS = ("levels", "utilization_per_level", "active_codes_per_level", "dead_codes_per_level",
+                     "perplexity_per_level", "soft_perplexity_per_level", "hard_psnr_by_levels", "hard_mse_by_levels")
+PER_LEVEL_COLUMN_DEFINITIONS = """\
+several codebooks (residual levels, groups): table.csv and table.json add, for such runs (empty
+                  for the others):
+levels          = the number of codebooks L; utilization, dead codes and perplexity above are
+                  then the means over them
+*_per_level     = each codebook's utilization, active and dead codes, perplexity, soft perplexity
+                  (lists in index order; CSV: space-separated)
+hard_psnr_by_levels, hard_mse_by_levels = residual quantizers: PSNR / MSE decoded from the hard codes
+                  of the first l levels, l = 1..L (the last: PSNR hard)"""
+
+
+def per_level_row(ev: Dict) -> Dict:
+    """The per-level columns of a run's row: {} for a quantizer with one codebook (its row keeps its columns)."""
+    c, by_levels = ev["codebook"], ev["recon"].get("hard_by_levels")
+    if c.get("utilization_per_level") is None:
+        return {}
+    row = {key: c.get(key) for key in PER_LEVEL_COLUMNS[:6]}
+    row["hard_psnr_by_levels"] = [r["psnr"] for r in by_levels] if by_levels else None
+    row["hard_mse_by_levels"] = [r["mse"] for r in by_levels] if by_levels else None
+    return row
+
+
+def column_definitions(rows: Sequence[Dict]) -> str:
+    """COLUMN_DEFINITIONS, with PER_LEVEL_COLUMN_DEFINITIONS when a row has per-level columns."""
+    per_level = any("utilization_per_level" in r for r in rows)
+    return COLUMN_DEFINITIONS + ("\n" + PER_LEVEL_COLUMN_DEFINITIONS if per_level else "")
 
 
 EMAVQ_DEFAULT_DECAY = inspect.signature(EMAVQ.__init__).parameters["decay"].default
@@ -109,7 +147,7 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
         **{k: c.get(k) for k in ("utilization_ceiling", "queue_utilization", "queue_ceiling", "batch_utilization")},
         **{k: c[k] for k in ("perplexity", "soft_perplexity")}, "steps": ev["step"],
         "train_seconds": train_seconds(run_dir), "ms_per_step": ms_per_step(run_dir), "split": ev["split"],
-        "num_images": ev["num_images"]}
+        "num_images": ev["num_images"], **per_level_row(ev)}
 
 
 def markdown_table(rows: Sequence[Dict], columns: Sequence[Tuple[str, str, Any]] = TABLE_COLUMNS) -> str:
@@ -212,9 +250,10 @@ def mean_sd_table(groups: Sequence[Dict]) -> str:
 
 # ----------------------------------------------------------------------------- the files
 def write_csv(path: Path, rows: Sequence[Dict]) -> None:
-    """``rows`` as CSV, lists as space-separated text."""
+    """``rows`` as CSV, lists as space-separated text; the columns of every row, in order of appearance (a
+    column a row lacks, e.g. per-level ones, is empty there)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows({k: " ".join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
 
@@ -228,7 +267,9 @@ def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: 
             f"{images} images per run."] + ([f"Command: `{command}`"] if command else [])
     text += [f"LPIPS: {n}" for n in sorted({ev["lpips_note"] for ev in evals})]
     text += [f"rFID: {n}" for n in sorted({ev["rfid_note"] for ev in evals})]
-    text += ["", "Columns:", "```", COLUMN_DEFINITIONS, "```", "", "Definitions:", "```", definitions(), "```"]
+    per_level = any("utilization_per_level" in r for r in rows)
+    text += ["", "Columns:", "```", column_definitions(rows), "```", "", "Definitions:", "```",
+             definitions(per_level), "```"]
     if groups is not None:
         text = [mean_sd_table(groups), "", "Per seed:", ""] + text + ["", "Seeds:", "```", SEED_DEFINITIONS, "```"]
         write_csv(out / "table_runs.csv", rows)
@@ -237,7 +278,8 @@ def write_tables(out: Path, rows: Sequence[Dict], evals: Sequence[Dict], split: 
     extra = {} if groups is None else {"runs": list(rows), "seed_definitions": SEED_DEFINITIONS}
     (out / "table.json").write_text(json.dumps({"rows": list(rows if groups is None else groups), **extra,
                                                 "command": command, "split": split, "max_images": max_images,
-                                                "definitions": definitions(), "column_definitions": COLUMN_DEFINITIONS},
+                                                "definitions": definitions(per_level),
+                                                "column_definitions": column_definitions(rows)},
                                                indent=2) + "\n")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import math
 import os
 import shlex
 import sys
@@ -60,11 +61,37 @@ def _hard_codes(quantizer: Quantizer, indices: torch.Tensor) -> torch.Tensor:
     return codes.movedim(-1, 1) if quantizer.channel_dim == 1 and codes.dim() > 2 else codes
 
 
+def codebook_count(quantizer: Quantizer) -> Optional[int]:
+    """C when ``quantizer``'s indices carry a trailing axis of one entry per codebook (its ``num_codebooks``:
+    ResidualDDCL's levels, GroupedDDCL's groups), else None (one index per vector)."""
+    count = getattr(quantizer, "num_codebooks", None)
+    return int(count) if count else None
+
+
+def prefix_levels(quantizer: Quantizer) -> int:
+    """L when ``quantizer`` decodes the first l of its L codebooks for every l (a residual chain: its
+    ``decodes_prefixes``), else 0."""
+    count = codebook_count(quantizer)
+    return count if count and count > 1 and getattr(quantizer, "decodes_prefixes", False) else 0
+
+
+def _add_mse_psnr(sums: torch.Tensor, rec: torch.Tensor, x: torch.Tensor) -> None:
+    """sums[0] += Σ per-image MSE, sums[1] += Σ per-image PSNR (RECON_DEFINITIONS)."""
+    mse_img = (rec - x).pow(2).flatten(1).mean(1).double()
+    sums[0] += mse_img.sum()
+    sums[1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
+
+
 @torch.no_grad()
 def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
                         max_images: int = 0, on_batch=None, progress: bool = False, num_workers: int = 0) -> Dict:
     """One pass over a split (each process a disjoint share) -> {"num_images", "hard": {"mse", "psnr"}, "soft": {...}
-    or None, "usage": UsageStats}; PSNR = mean of 10·log10(1 / MSE_image); ``on_batch(x, hard, soft)`` adds metrics."""
+    or None, "usage": UsageStats}; PSNR = mean of 10·log10(1 / MSE_image); ``on_batch(x, hard, soft)`` adds metrics.
+
+    A quantizer with several codebooks (:func:`codebook_count`, indices (..., C)): the usage is counted per codebook
+    (``CodebookUsage(K, codebooks=C)``); one that decodes prefixes (:func:`prefix_levels`, a residual chain) adds
+    "hard_by_levels": [{"levels": l, "mse", "psnr"}, l = 1..L], decoded from the hard codes of its first l levels
+    (l = L is "hard")."""
     was_training = model.training
     model.eval()
     part, n = shard(dataset, max_images)
@@ -72,24 +99,31 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
         raise DataUnavailable("nothing to evaluate: the split has no images")
     loader = make_loader(part, SequentialBatches(len(part), batch_size), num_workers, device)
     has_soft = model.quantizer.has_soft_codes
-    usage = CodebookUsage(model.quantizer.num_codes, device=device)
+    parts, levels = codebook_count(model.quantizer), prefix_levels(model.quantizer)
+    usage = CodebookUsage(model.quantizer.num_codes, device=device) if parts is None else \
+        CodebookUsage(model.quantizer.num_codes, device=device, codebooks=parts)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # hard mse, hard psnr, soft mse, soft psnr, count
+    level_sums = torch.zeros(max(levels - 1, 0), 2, dtype=torch.float64, device=device)  # first l < L levels
     bar = Progress(len(loader), "evaluate", unit="batch", every=max(len(loader) // 10, 1), leave=False,
                    off=not (progress and rank() == 0))
     for x, _ in loader:
         x = x.to(device, non_blocking=True)
         z = model.encoder(x)
         q = model.quantizer(z)
-        usage.update(q.indices, q.soft_counts)
+        if parts == 1:  # one codebook behind a codebook axis: counted as one codebook
+            usage.update(q.indices[..., 0], None if q.soft_counts is None else q.soft_counts.reshape(-1))
+        else:
+            usage.update(q.indices, q.soft_counts)
         hard = model.decoder(_hard_codes(model.quantizer, q.indices)).float().clamp(0, 1)
+        for first in range(1, levels):  # the first `first` levels' hard codes
+            rec = model.decoder(model.quantizer.lookup(q.indices[..., :first])).float().clamp(0, 1)
+            _add_mse_psnr(level_sums[first - 1], rec, x)
         soft = None
         if has_soft:
             soft_z = q.soft_codes if q.soft_codes is not None else model.quantizer.soft_codes(z)  # DDCL: one pass
             soft = model.decoder(soft_z).float().clamp(0, 1)
         for i, rec in enumerate([hard, soft] if has_soft else [hard]):  # hard: sums 0, 1; soft: 2, 3
-            mse_img = (rec - x).pow(2).flatten(1).mean(1).double()
-            sums[2 * i] += mse_img.sum()
-            sums[2 * i + 1] += (10 * torch.log10(1.0 / mse_img.clamp_min(1e-10))).sum()
+            _add_mse_psnr(sums[2 * i:2 * i + 2], rec, x)
         sums[4] += x.shape[0]
         if on_batch is not None:
             on_batch(x, hard, soft)
@@ -98,9 +132,67 @@ def reconstruction_pass(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_B
     all_reduce_sum_(sums)
     model.train(was_training)
     count = float(sums[4])
-    return {"num_images": int(count), "hard": {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count},
-            "soft": {"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count} if has_soft else None,
-            "usage": usage.compute()}
+    out = {"num_images": int(count), "hard": {"mse": float(sums[0]) / count, "psnr": float(sums[1]) / count},
+           "soft": {"mse": float(sums[2]) / count, "psnr": float(sums[3]) / count} if has_soft else None,
+           "usage": usage.compute()}
+    if levels:
+        all_reduce_sum_(level_sums)
+        out["hard_by_levels"] = [{"levels": i + 1, "mse": float(m) / count, "psnr": float(p) / count}
+                                 for i, (m, p) in enumerate(level_sums.tolist())] + [{"levels": levels, **out["hard"]}]
+    return out
+
+
+def reconstruction_by_levels(model: VQVAE, dataset: Dataset, batch_size: int = EVAL_BATCH_SIZE, device="cpu",
+                             max_images: int = 0) -> List[Dict]:
+    """Reconstruction against the levels used, for a model whose quantizer decodes prefixes of its levels
+    (:func:`prefix_levels`: ResidualDDCL): [{"levels": l, "mse", "psnr"} for l = 1..L], decoded from the hard codes
+    of the first l levels (RECON_DEFINITIONS' MSE and PSNR); a ValueError for any other quantizer."""
+    if not prefix_levels(model.quantizer):
+        raise ValueError(f"expected a quantizer that decodes the first l of its levels (ResidualDDCL, "
+                         f"decodes_prefixes), got {type(model.quantizer).__name__}")
+    return reconstruction_pass(model, dataset, batch_size, device, max_images)["hard_by_levels"]
+
+
+#: eval.json's per-level fields (a quantizer with several codebooks), and the UsageStats list each comes from
+PER_LEVEL_KEYS = ("utilization", "active_codes", "dead_codes", "perplexity", "soft_perplexity", "entropy_bits",
+                  "num_vectors")
+
+
+def codebook_block(quantizer: Quantizer, usage, training: Optional[Dict] = None) -> Dict:
+    """eval.json's "codebook" block from the pass's :class:`~ddcl_vq.usage.UsageStats` and the training's last usage
+    figures (``training``: RecentUsage's, or None). Several codebooks (``usage.codebooks``): the scalar fields are the
+    mean over the codebooks of the ``*_per_level`` lists (metrics.PER_LEVEL_DEFINITIONS)."""
+    training = training or {}
+    if usage.codebooks is None:
+        return {**{key: getattr(usage, key) for key in ("utilization", "active_codes", "dead_codes", "perplexity",
+                                                        "soft_perplexity", "entropy_bits", "num_vectors")},
+                "utilization_ceiling": uniform_ceiling(quantizer.num_codes, usage.num_vectors),
+                **{key: training.get(key) for key in TRAINING_USAGE_KEYS},
+                **codebook_geometry(quantizer.codebook, usage.counts)}
+    k, c = usage.num_codes, usage.codebooks
+    rows = [usage.counts[i * k:(i + 1) * k] for i in range(c)]
+    per = {"utilization": usage.utilization_per_codebook, "active_codes": usage.active_codes_per_codebook,
+           "dead_codes": usage.dead_codes_per_codebook, "perplexity": usage.perplexity_per_codebook,
+           "soft_perplexity": usage.soft_perplexity_per_codebook,
+           "entropy_bits": [math.log2(p) for p in usage.perplexity_per_codebook],
+           "num_vectors": [sum(row) for row in rows]}
+
+    def mean(values):
+        if any(v is None for v in values):
+            return None
+        m = sum(values) / len(values)
+        return int(m) if all(isinstance(v, int) for v in values) and m == int(m) else m
+
+    scalars = {key: mean(per[key]) for key in PER_LEVEL_KEYS}
+    codebook = quantizer.codebook.detach()
+    if codebook.dim() == 3:  # one (K, d) codebook per level or group
+        shapes = [codebook_geometry(codebook[i], rows[i]) for i in range(c)]
+        geometry = {key: mean([g[key] for g in shapes]) for key in shapes[0]}
+    else:  # one codebook shared by every level: its own figures, the levels' counts pooled
+        geometry = codebook_geometry(codebook, [sum(col) for col in zip(*rows)])
+    return {**scalars, "utilization_ceiling": uniform_ceiling(k, scalars["num_vectors"]),
+            **{key: training.get(key) for key in TRAINING_USAGE_KEYS}, **geometry,
+            "levels": c, **{f"{key}_per_level": per[key] for key in PER_LEVEL_KEYS}}
 
 
 class EvaluateError(UserError, RuntimeError):
@@ -195,8 +287,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
     hard, soft = ({"mse": result[kind]["mse"], "psnr": result[kind]["psnr"], "ssim": extra[f"{kind}_ssim"],
                    "lpips": extra[f"{kind}_lpips"]} if result[kind] is not None else None for kind in ("hard", "soft"))
     q = model.quantizer
-    latent_positions = usage.num_vectors // max(result["num_images"], 1)
     training = getattr(model, "training_usage", None) or {}  # runs saved before 2026-12-04 have none
+    codebook = codebook_block(q, usage, training)
+    latent_positions = int(codebook["num_vectors"]) // max(result["num_images"], 1)
     out = {
         "run": str(run_dir), "name": cfg.run.name, "step": step, "train_steps": cfg.train.steps,
         "checkpoint": str(ckpt), "checkpoint_sha256": digest,  # freshness is judged by it (with step, split, ...)
@@ -210,18 +303,15 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "latent_positions_per_image": latent_positions,
         "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
         "recon": {"hard": hard, "soft": soft, "soft_minus_hard": None if soft is None else {
-            k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard}},
-        "codebook": {**{key: getattr(usage, key) for key in ("utilization", "active_codes", "dead_codes", "perplexity",
-                                                             "soft_perplexity", "entropy_bits", "num_vectors")},
-                     "utilization_ceiling": uniform_ceiling(q.num_codes, usage.num_vectors),
-                     **{key: training.get(key) for key in TRAINING_USAGE_KEYS},
-                     **codebook_geometry(q.codebook, usage.counts)},
+            k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard},
+            **({"hard_by_levels": result["hard_by_levels"]} if "hard_by_levels" in result else {})},
+        "codebook": codebook,
         "usage_counts": usage.counts, "lpips_note": lpips_note, "rfid": extra["rfid"], "rfid_note": rfid_note,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command or f"ddcl-vq evaluate {shlex.quote(str(run_dir))} --split {split} "
                               f"--max-images {max_images} --batch-size {batch_size}"
                               + "".join(" " + shlex.quote(o) for o in overrides),
-        "definitions": definitions(),
+        "definitions": definitions(per_level=usage.codebooks is not None),
     }
     if write and rank() == 0:
         write_eval(run_dir, out, eval_path(run_dir, tag=heldout_tag(run_dir, overrides, split)))
@@ -266,7 +356,7 @@ def format_report(ev: Dict, verbose: bool = False) -> str:
     lines += ["", "| utilization | active | dead | perplexity | soft perplexity | entropy (bits) |",
               "|---|---|---|---|---|---|",
               f"| {c['utilization']:.1%} | {c['active_codes']} | {c['dead_codes']} | {c['perplexity']:.1f} "
-              f"| {fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", "",
+              f"| {fmt(c['soft_perplexity'], '.1f')} | {c['entropy_bits']:.2f} |", *_per_level_lines(ev), "",
               f"utilization ceiling for {c.get('num_vectors', 0):,} vectors: "
               f"{fmt(c.get('utilization_ceiling'), '.1%')}; training's last indices: queue "
               f"{fmt(c.get('queue_utilization'), '.1%')} of {fmt(c.get('queue_indices'), ',')} (ceiling "
@@ -278,6 +368,21 @@ def format_report(ev: Dict, verbose: bool = False) -> str:
               f"rfid: {fmt(ev['rfid'], '.3f')} ({ev['rfid_note']})",
               f"command: {ev['command']}", "", "definitions:", ev["definitions"]]
     return "\n".join(lines)
+
+
+def _per_level_lines(ev: Dict) -> List[str]:
+    """A quantizer with several codebooks: one line of per-level usage (the codebook line's figures are their means)
+    and, for a residual chain, one of the hard codes' PSNR against the levels used; none for one codebook."""
+    c, lines = ev["codebook"], []
+    if c.get("utilization_per_level") is not None:
+        lines.append(f"per level (the figures above: their means): utilization "
+                     + " ".join(f"{u:.1%}" for u in c["utilization_per_level"]) + ", dead "
+                     + " ".join(str(d) for d in c["dead_codes_per_level"]) + ", perplexity "
+                     + " ".join(f"{p:.1f}" for p in c["perplexity_per_level"]))
+    if ev["recon"].get("hard_by_levels"):
+        lines.append("hard codes of the first l levels: " + ", ".join(
+            f"l={r['levels']} PSNR {fmt(r['psnr'], '.2f')} dB" for r in ev["recon"]["hard_by_levels"]))
+    return lines
 
 
 def _short_report(ev: Dict) -> str:
@@ -298,6 +403,7 @@ def _short_report(ev: Dict) -> str:
     lines.append(f"codebook: utilization {c['utilization']:.1%} ({c['active_codes']} active, {c['dead_codes']} dead; "
                  f"ceiling {fmt(c.get('utilization_ceiling'), '.1%')} for {c.get('num_vectors', 0):,} vectors), "
                  f"perplexity {c['perplexity']:.1f}{soft_ppl}, entropy {c['entropy_bits']:.2f} bits")
+    lines += _per_level_lines(ev)
     if c.get("queue_utilization") is not None:
         lines.append(f"training's last indices: queue {fmt(c.get('queue_utilization'), '.1%')} of "
                      f"{fmt(c.get('queue_indices'), ',')} (ceiling {fmt(c.get('queue_ceiling'), '.1%')}), per batch "

@@ -35,14 +35,34 @@ min_code_distance / mean_code_distance               = over all K codes
 min_active_code_distance / mean_active_code_distance = over active codes only (null if < 2)"""
 
 
+PER_LEVEL_DEFINITIONS = """\
+for a quantizer with several codebooks (indices (..., L): a residual quantizer's L levels, a
+grouped quantizer's L groups; the quantizer's num_codebooks):
+*_per_level     = utilization, active_codes, dead_codes, perplexity, soft_perplexity, entropy_bits
+                  and num_vectors of each codebook on its own (its K codes, the vectors that reach
+                  it; index -1, a level left out, is not counted), in the order of the index axis
+utilization, active_codes, dead_codes, perplexity, soft_perplexity, entropy_bits, num_vectors
+                = the mean over the L codebooks of the per-level figure (soft_perplexity: null
+                  unless every level has one); utilization_ceiling: from that mean num_vectors
+code distances  = the mean over the L codebooks of each one's figure (a codebook shared by every
+                  level: that codebook's, with the counts of every level pooled)
+usage_counts    = L*K counts, codebook-major (codebook i's code k at i*K + k)
+hard_by_levels  = residual quantizers only: mse and psnr decoded from the hard codes of the first
+                  l levels, l = 1..L (l = L: the hard codes above)"""
+
+
 #: where the definitions behind a report's figures are, when a command does not print them (one line)
 DEFINITIONS_HINT = "definitions of these figures: --verbose, or docs/reference/quantizer.md#what-the-reports-print"
 
 
-def definitions() -> str:
-    """All metric definitions, as printed under every report."""
-    return "\n".join(["reconstruction:", _indent(RECON_DEFINITIONS), "codebook usage (dataset level):",
-                      _indent(USAGE_DEFINITIONS), "codebook geometry:", _indent(GEOMETRY_DEFINITIONS)])
+def definitions(per_level: bool = False) -> str:
+    """All metric definitions, as printed under every report; ``per_level``: with those of a quantizer with several
+    codebooks (:data:`PER_LEVEL_DEFINITIONS`)."""
+    parts = ["reconstruction:", _indent(RECON_DEFINITIONS), "codebook usage (dataset level):",
+             _indent(USAGE_DEFINITIONS), "codebook geometry:", _indent(GEOMETRY_DEFINITIONS)]
+    if per_level:
+        parts += ["several codebooks (per level):", _indent(PER_LEVEL_DEFINITIONS)]
+    return "\n".join(parts)
 
 
 def _indent(text: str) -> str:

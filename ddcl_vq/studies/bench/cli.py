@@ -15,13 +15,15 @@ from ddcl_vq.common.errors import entry_point
 from ddcl_vq.common.progress import fmt
 from ddcl_vq.common.config import ConfigError, Options, Rules, option
 
-from ddcl_vq.studies.bench.steps import IMPLS, calibrate, plan_measurements
+from ddcl_vq.studies.bench.steps import IMPLS, RESIDUAL_IMPLS, calibrate, plan_measurements
 from ddcl_vq.studies.bench.run import available_memory_bytes, probe_main, run_bench
 
 FULL_N = (4096, 16384, 65536)
 FULL_D = (64, 256)
 FULL_K = (512, 1024, 8192, 65536)
 QUICK_SHAPES = ((8192, 64, 1024), (8192, 64, 8192))
+#: quick: the residual rows (4 levels: about four single-codebook steps each) at the smaller K only
+QUICK_ONLY_AT = {name: QUICK_SHAPES[:1] for name in RESIDUAL_IMPLS}
 
 
 def format_table(rows: List[dict]) -> str:
@@ -48,6 +50,8 @@ def format_table(rows: List[dict]) -> str:
             note.append(f"input {'x'.join(str(v) for v in r['input_shape'])}"
                         + (", discriminator on" if r.get("disc_on") else "")
                         + (f", LPIPS {r['perceptual_net']}" if r.get("perceptual_net") else ""))
+        if r.get("x_vqp_of"):
+            note.append(f"x VQP against {r['x_vqp_of']}")
         if r.get("fallback"):
             note.append(f"model: {r['source']} ({r['fallback']})")
         lines.append(f"{r['impl']:<26} {n:>6} {d:>4} {k:>6} {ms:>10} {peak:>9} {xv:>7} {pm:>7}  " + "; ".join(note))
@@ -58,14 +62,17 @@ METHOD = """\
 time: fwd+bwd wall clock, median of the timed repeats after warm-up, implementations interleaved
       round-robin within a shape; {threads} torch thread(s).
 peak MB: {memory_text}
-x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shape.
+x VQP: time / vector-quantize-pytorch VectorQuantize (defaults) at the same shape; the residual rows
+      (ddcl-residual4, vqp-residual4: 4 levels of K codes each): time / its ResidualVQ(num_quantizers=4).
 % 6mm: rate relative to the six bare matmuls of the full DDCL gradient at the same shape
-      (100% = as fast as the matmuls alone). straight_through DDCL (ddcl-mstep, ddcl-first) needs
-      only three of them (no gradient through q to z), so it can pass 100%.
+      (100% = as fast as the matmuls alone; the residual rows: four times the six, one set per level).
+      straight_through DDCL (ddcl-mstep, ddcl-first, ddcl-residual4) needs only three of them (no
+      gradient through q to z), so it can pass 100%.
 DDCL rows: ddcl-mstep = the library default (straight_through, M-step codebook) past its first batch;
 ddcl-first = the default on the first training batch of a fresh quantizer (k-means start and first-batch
 set-up included, every run); ddcl-soft-<path> = soft mode (full gradient) on the reference, fused or
-chunked assignment path.
+chunked assignment path; ddcl-residual4 = ResidualDDCL(num_levels=4), every level the default, past its
+first batch.
 Whole training steps, DDCL and HardVQ alternating round by round (ratios: to the HardVQ step of the same rounds):
 vqvae-step-* = configs/fashion_ddcl.yaml vs fashion_hard.yaml; vqgan-step-* = configs/vqgan_photos64.yaml
 (generator + discriminator, past disc_start) vs its HardVQ arm in configs/study_vqgan.yaml."""
@@ -84,8 +91,8 @@ MEMORY_TEXT = {
 
 @dataclass(kw_only=True)
 class BenchOptions:
-    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192}, the VQ-VAE and VQGAN steps with few repeats; "
-                                "about a minute on 2 cores")
+    quick: bool = option(False, "N=8192, D=64, K in {1024, 8192} (the residual rows at K=1024 only), the VQ-VAE "
+                                "and VQGAN steps with few repeats; about a minute on 2 cores")
     json: Optional[str] = option(None, "write {'meta': ..., 'rows': [{impl, N, D, K, ms, peak_mb, ...}]}",
                                  metavar="FILE")
     shapes: Optional[List[str]] = option(None, "measure these shapes instead of the grid", nargs="+", metavar="N,D,K")
@@ -115,7 +122,8 @@ OPTIONS = Options(
     BenchOptions, prog="ddcl-vq bench",
     description="Quantizer forward+backward time and peak memory, side by side: DDCL (the default, straight_through "
                 "with the M-step codebook; soft mode on the reference, fused and chunked paths), HardVQ, EMAVQ, IBQ, "
-                "vector-quantize-pytorch VectorQuantize (defaults) "
+                "vector-quantize-pytorch VectorQuantize (defaults), "
+                "ResidualDDCL with 4 levels against vector-quantize-pytorch ResidualVQ (num_quantizers=4) "
                 "and the six-matmul floor, plus one default VQ-VAE training step and one VQGAN-recipe training step "
                 "(generator + discriminator) with DDCL vs HardVQ. Prints a table; --json writes the rows.",
     epilog="Full grid: N in {4096,16384,65536} x D in {64,256} x K in {512,1024,8192,65536}; what would not fit "
@@ -157,7 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               else [(n, d, k) for n in FULL_N for d in FULL_D for k in FULL_K])
     impls = args.impls or list(IMPLS)
     plan = dict(warmup=args.warmup, repeats=args.repeats, max_seconds=args.max_seconds,
-                budget_seconds=args.budget_seconds, probe_warmup=quick)
+                budget_seconds=args.budget_seconds, probe_warmup=quick,
+                only_at=QUICK_ONLY_AT if quick and not args.shapes else None)
     mem_budget = None if args.max_memory_gb is None else args.max_memory_gb * 2**30
     if args.dry_run:
         mb = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget

@@ -14,8 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ddcl_vq.ddcl.fused import release_buffers
-from ddcl_vq.studies.bench.steps import (FLOOR_MATMULS, Plan, calibrate, e2e_rows, make_inputs, make_step,
-                                        plan_measurements, time_once, vqgan_rows)
+from ddcl_vq.studies.bench.steps import (FLOOR_COPIES, FLOOR_MATMULS, VQP_BASELINE, Plan, calibrate, e2e_rows,
+                                        make_inputs, make_step, plan_measurements, time_once, vqgan_rows)
 
 
 def _status_kb(field: str) -> Optional[int]:
@@ -172,10 +172,11 @@ def run_shape(shape: Tuple[int, int, int], plans: List[Plan], memory: str, progr
 def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int = 1, repeats: int = 3,
               max_seconds: float = 300.0, budget_seconds: float = 60.0, mem_budget: Optional[float] = None,
               memory: str = "rss", e2e: Optional[dict] = None, vqgan: Optional[dict] = None, progress: bool = False,
-              calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu") -> List[dict]:
-    """Measure ``impls`` at ``shapes`` on ``device``, then the VQ-VAE step (:func:`e2e_rows` with the keyword
-    arguments ``e2e``) and the VQGAN-recipe step (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with
-    ratios."""
+              calibration: Optional[float] = None, probe_warmup: bool = False, device: str = "cpu",
+              only_at: Optional[Dict[str, Sequence[Tuple[int, int, int]]]] = None) -> List[dict]:
+    """Measure ``impls`` at ``shapes`` on ``device`` (``only_at``: impl -> the only shapes it is measured at), then
+    the VQ-VAE step (:func:`e2e_rows` with the keyword arguments ``e2e``) and the VQGAN-recipe step
+    (:func:`vqgan_rows` with ``vqgan``) unless None; returns rows with ratios."""
     if device != "cpu" and memory != "none":
         memory = "cuda"
     if memory == "rss" and not RssProbe.available():
@@ -183,7 +184,8 @@ def run_bench(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, w
     cal = calibrate(device) if calibration is None else calibration
     mem_budget = 0.75 * available_memory_bytes(device) if mem_budget is None else mem_budget
     plans = plan_measurements(shapes, impls, warmup=warmup, repeats=repeats, max_seconds=max_seconds,
-                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal, probe_warmup=probe_warmup)
+                              budget_seconds=budget_seconds, mem_budget=mem_budget, cal=cal, probe_warmup=probe_warmup,
+                              only_at=only_at)
     from tqdm import tqdm
     bar = tqdm(total=len(plans), desc="bench", unit="meas", file=sys.stderr, dynamic_ncols=True, disable=not progress)
     rows: List[dict] = []
@@ -207,13 +209,18 @@ def add_ratios(rows: List[dict]) -> None:
     for r in rows:
         by_shape.setdefault((r["N"], r["D"], r["K"]), {})[r["impl"]] = r
     for group in by_shape.values():
-        vqp = group.get("vqp", {}).get("ms")
         floor = group.get("matmul6", {}).get("ms")
         for name, r in group.items():
             if r.get("ms") is None:
                 continue
+            baseline = VQP_BASELINE.get(name, "vqp")  # the residual rows: against ResidualVQ
+            vqp = group.get(baseline, {}).get("ms")
             r["x_vqp"] = round(r["ms"] / vqp, 3) if vqp else None
-            # % of the rate of the six bare matmuls: 100 = as fast as the six matmuls alone
-            r["pct_matmul6"] = round(100.0 * floor / r["ms"], 1) if floor else None
+            if baseline != "vqp" and vqp:  # named where it was measured
+                r["x_vqp_of"] = baseline
+            # % of the rate of the six bare matmuls: 100 = as fast as the six matmuls alone (the residual rows:
+            # as fast as one set of six per level)
+            copies = FLOOR_COPIES.get(name, 1)
+            r["pct_matmul6"] = round(100.0 * copies * floor / r["ms"], 1) if floor else None
             if name in FLOOR_MATMULS:
                 r["floor_matmuls"] = FLOOR_MATMULS[name]

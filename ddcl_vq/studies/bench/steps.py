@@ -32,12 +32,23 @@ IMPLEMENTATIONS = {
     "vqp": ("vector-quantize-pytorch VectorQuantize (defaults)", (2.0, 15.0, 6.0), None),
     "ibq": ("IBQ (index backpropagation: hard forward, softmax gradient into every code; published settings)",
             (5.0, 40.0, 0.2), None),
+    # residual quantizers, L = RESIDUAL_LEVELS levels of K codes each (one level's cost model, L times)
+    "ddcl-residual4": ("ResidualDDCL, 4 levels (each the DDCL default: straight_through, M-step codebook)",
+                       (12.0, 16.0, 1.0), 12),
+    "vqp-residual4": ("vector-quantize-pytorch ResidualVQ, num_quantizers=4 (defaults)", (8.0, 60.0, 6.0), None),
     # evaluation (no gradient): what ``ddcl-vq evaluate`` asks of each batch
     "ddcl-eval": ("DDCL evaluation: hard indices and soft codes in one pass (no gradient)", (2.0, 6.0, 1.0), None),
     "simvq-eval": ("SimVQ (fair settings) evaluation: hard indices (no gradient)", (1.0, 6.0, 2.0), None),
 }
 IMPLS = {name: label for name, (label, _, _) in IMPLEMENTATIONS.items()}
 FLOOR_MATMULS = {name: floor for name, (_, _, floor) in IMPLEMENTATIONS.items() if floor}
+#: the levels of the residual rows; their ``x VQP`` is against vector-quantize-pytorch's ResidualVQ with as many
+RESIDUAL_LEVELS = 4
+RESIDUAL_IMPLS = ("ddcl-residual4", "vqp-residual4")
+#: impl -> the vector-quantize-pytorch row its ``x VQP`` divides by (the rest: ``vqp``, VectorQuantize)
+VQP_BASELINE = {name: "vqp-residual4" for name in RESIDUAL_IMPLS}
+#: impl -> how many single-codebook floors its ``% 6mm`` is against (the residual rows: one per level)
+FLOOR_COPIES = {name: RESIDUAL_LEVELS for name in RESIDUAL_IMPLS}
 
 
 def calibrate(device: str = "cpu") -> float:
@@ -82,9 +93,14 @@ class Plan:
 
 def plan_measurements(shapes: Sequence[Tuple[int, int, int]], impls: Sequence[str], *, warmup: int,
                       repeats: int, max_seconds: float, budget_seconds: float, mem_budget: float,
-                      cal: float, probe_warmup: bool = False) -> List[Plan]:
+                      cal: float, probe_warmup: bool = False,
+                      only_at: Optional[Dict[str, Sequence[Tuple[int, int, int]]]] = None) -> List[Plan]:
+    """A plan per (shape, impl); ``only_at``: impl -> the only shapes it is planned at (quick: the residual rows at
+    the smaller K)."""
     plans = []
     for shape, name in itertools.product(shapes, impls):
+        if only_at and name in only_at and tuple(shape) not in {tuple(s) for s in only_at[name]}:
+            continue
         est_s, est_b = estimate(name, *shape, cal)
         p = Plan(name, shape, est_s, est_b, warmup, repeats)  # as asked: warm-up, a probed run, timed repeats
         runs = max(1, int(budget_seconds // max(est_s, 1e-6)))  # what the time budget allows
@@ -164,7 +180,26 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
             torch.autograd.backward([out.quantized, out.loss], [gr, one])
             z.grad = None
         return synchronized(first, device)
-    if name.startswith("ddcl"):
+    if name == "ddcl-residual4":
+        # past its warm-up; the shared codebook at every level stands for the levels' k-means starts
+        from ddcl_vq import ResidualDDCL
+        quant = ResidualDDCL(k, d, RESIDUAL_LEVELS, channel_dim=-1, warmup_steps=0)
+        for level in quant.levels:
+            level.initialized.fill_(True)
+            level.weight.data.copy_(inp.codebook.cpu())
+    elif name == "vqp-residual4":  # the peer keeps its own initialisation, as the vqp row
+        from ddcl_vq.vqp import peer_class
+        rvq = peer_class("ResidualVQ", "vqp")(dim=d, num_quantizers=RESIDUAL_LEVELS, codebook_size=k)
+        rvq.to(device).train()
+
+        def residual_step():
+            quantized, _, losses = rvq(z[None])
+            torch.autograd.backward([quantized, losses.sum()], [gr[None], one])
+            z.grad = None
+            for p in rvq.parameters():
+                p.grad = None
+        return synchronized(residual_step, device)
+    elif name.startswith("ddcl"):
         # past its warm-up; the shared codebook stands for the k-means start
         soft = name.startswith("ddcl-soft")
         quant = DDCLQuantizer(k, d, channel_dim=-1, warmup_steps=0, **(dict(
@@ -176,7 +211,8 @@ def make_step(name: str, inp: Inputs) -> Callable[[], None]:
         quant = SimVQQuantizer(k, d, channel_dim=-1, codebook_bias=True, data_init=True, rotation_trick=False)
     else:
         raise ValueError(f"expected an implementation in {sorted(IMPLS)}, got {name!r}")
-    if name not in ("vqp", "simvq-eval"):  # the shared codebook (the wrapped peers keep their own initialisation)
+    # the shared codebook (the wrapped peers keep their own initialisation; ddcl-residual4 has it at every level)
+    if name not in ("vqp", "simvq-eval", "ddcl-residual4"):
         (quant.embed if name == "emavq" else quant.weight.data).copy_(inp.codebook.cpu())
     if name.endswith("-eval"):  # what ``ddcl-vq evaluate`` asks of a batch: no gradient (DDCL: hard and soft codes)
         quant.to(device).eval()
