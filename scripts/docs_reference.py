@@ -25,28 +25,20 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_results import ROOT, fill, update  # noqa: E402 - the marked blocks and --check, as for the results
 
-#: what the model keys are (ModelConfig is made from the Encoder's signature, which has no docstring)
+#: what the model keys are (the encoders have no Args: docstring)
 MODEL_NOTES = {
+    "arch": "`vqvae` (the small model) or `vqgan` (diffusers' encoder/decoder: docs/guide/vqgan.md)",
     "channels": "channels of the small VQ-VAE's encoder and decoder",
     "num_res_blocks": "residual blocks (per resolution in the VQGAN)",
     "num_downsamples": "stride-2 halvings: 32×32 images give 8×8 latents at 2",
     "latent_dim": "D, the codebook's dimension", "res_hidden": "hidden channels of a residual block",
-    "arch": "`vqvae` (the small model) or `vqgan` (diffusers' encoder/decoder: docs/guide/vqgan.md)",
-    "ch": "VQGAN: channels of the first block", "ch_mult": "VQGAN: channel multiplier per resolution",
-    "attn_resolutions": "VQGAN: resolutions whose blocks have attention",
-    "z_channels": "VQGAN: channels of the encoder's output, before the 1×1 conv to D",
-    "norm_groups": "VQGAN: GroupNorm groups",
+    "ch": "channels of the first block", "ch_mult": "channel multiplier per resolution",
+    "attn_resolutions": "resolutions whose blocks have attention",
+    "z_channels": "channels of the encoder's output, before the 1×1 conv to D", "norm_groups": "GroupNorm groups",
 }
-#: quantizer keys that are no quantizer class's constructor argument: (the quantizer types that take it, what it sets)
-QUANTIZER_NOTES = {
-    "type": ("all", "the quantizer"), "num_codes": ("all", "K, the codebook size"),
-    "decay": ("ddcl, ema", "EMA decay of the codebook statistics; `null` = the quantizer's own default (ddcl 0.9, "
-                           "ema 0.99)"),
-    "vqp": ("vqp", "vector-quantize-pytorch `VectorQuantize` keyword arguments, passed as they are"),
-    "fsq_levels": ("fsq", "FSQ's grid, e.g. [8, 6, 5]; `null` = the FSQ paper's levels for num_codes"),
-    "simvq": ("simvq", "SimVQ keyword arguments, plus ours: `codebook_bias`, `data_init`"),
-    "lfq": ("lfq", "LFQ keyword arguments (num_codes a power of 2)"),
-}
+#: the keys the config adds to the quantizer classes' arguments: (default, what it sets)
+QUANTIZER_NOTES = {"type": "the quantizer class (`ddcl_vq.models.vqvae.QUANTIZER_TYPES`)",
+                   "num_codes": "K, the codebook size"}
 
 
 def cell(text: str) -> str:
@@ -70,7 +62,7 @@ def fields_of(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any, Any, str]]
     leaf of the dataclass instance ``obj``."""
     try:
         source = inspect.getsource(type(obj))
-    except (OSError, TypeError):  # a generated class
+    except (OSError, TypeError):  # pragma: no cover - a class without source
         source = ""
     comments = dict(reversed(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+?)\s*$", source, re.M)))
     hints = typing.get_type_hints(type(obj))
@@ -94,36 +86,63 @@ def yaml_text(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10 ** 6, allow_unicode=True).split("\n...")[0].strip()
 
 
-def table(obj: Any, rules: Any, prefix: str = "", notes: Optional[Dict[str, str]] = None,
-          users: Optional[Dict[str, str]] = None) -> str:
-    """The markdown table of the leaves of dataclass instance ``obj`` (their keys after ``prefix``); ``notes``: what
-    a key sets, instead of its comment; ``users``: the quantizer types that take each key (a column)."""
+def table(obj: Any, rules: Any, prefix: str = "") -> str:
+    """The markdown table of the leaves of dataclass instance ``obj`` (their keys after ``prefix``)."""
     from ddcl_vq.common.config import type_name
     from ddcl_vq.studies.tables import markdown_table
 
-    head = ["key", "type", "default", "allowed"] + (["quantizer types"] if users else []) + ["what it sets"]
+    head = ["key", "type", "default", "allowed", "what it sets"]
     rows = []
     for key, annotation, default, comment in fields_of(obj, prefix):
-        leaf = key.rsplit(".", 1)[-1]
         comment = "" if re.fullmatch(r"\w+( \| \w+)+", comment) else comment  # the allowed values again
-        row = [f"`{key}`", type_name(annotation), f"`{yaml_text(default)}`", allowed(key, rules)]
-        row += [users.get(leaf, "")] if users else []
-        rows.append(dict(zip(head, map(cell, row + [(notes or {}).get(leaf) or comment]))))
+        row = [f"`{key}`", type_name(annotation), f"`{yaml_text(default)}`", allowed(key, rules), comment]
+        rows.append(dict(zip(head, map(cell, row))))
     return markdown_table(rows, [(h, h, "") for h in head])
 
 
-def quantizer_notes() -> Tuple[Dict[str, str], Dict[str, str]]:
-    """(key -> the quantizer types that take it, key -> what it sets) for the quantizer section."""
-    from ddcl_vq.tokenizer.config import QUANTIZER_CLASSES, quantizer_keys
+def allowed_values(key: str) -> str:
+    """The allowed values the quantizer modules publish for ``key`` (their choice tuples)."""
+    from ddcl_vq.ddcl.arguments import DDCL_CHOICES
+    from ddcl_vq.hard import HARDVQ_CHOICES
+    from ddcl_vq.ibq import IBQ_LOGITS
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
+    from ddcl_vq.tokenizer.config import ARCHS
+    choices = {**DDCL_CHOICES, **HARDVQ_CHOICES, "logits": IBQ_LOGITS, "type": tuple(QUANTIZER_TYPES), "arch": ARCHS}
+    return ", ".join(f"`{v}`" for v in choices.get(key, ()))
 
-    users: Dict[str, list] = {}
-    notes = {key: text for key, (_, text) in QUANTIZER_NOTES.items()}
-    for qtype, cls in QUANTIZER_CLASSES.items():
-        for key in quantizer_keys(qtype):
-            users.setdefault(key, []).append(qtype)
-            notes[key] = notes.get(key) or described(cls, key)
-    types = {key: ", ".join(names) for key, names in users.items()}
-    return {**types, **{key: names for key, (names, _) in QUANTIZER_NOTES.items()}}, notes
+
+def section_table(section: str, classes: Dict[str, type], defaults: Dict[str, Any], notes: Dict[str, str],
+                  column: str) -> str:
+    """The keys of a model/quantizer section: ``defaults``' (the config's own), then every class's keyword arguments
+    (``column``: which classes take each; a default that differs between them per class)."""
+    from ddcl_vq.common.config import type_name
+    from ddcl_vq.studies.tables import markdown_table
+    from ddcl_vq.tokenizer.config import constructor_keys
+
+    rows: Dict[str, Dict[str, Any]] = {k: {"type": type_name(type(v)), "defaults": {"": v}, "users": ["all"],
+                                           "text": notes.get(k, "")} for k, v in defaults.items()}
+    for label, cls in classes.items():
+        named, extra = constructor_keys(cls)
+        hints = typing.get_type_hints(cls.__init__)
+        for key, p in named.items():
+            if key not in defaults:
+                row = rows.setdefault(key, {"type": type_name(hints.get(key, Any)), "defaults": {}, "users": [],
+                                            "text": notes.get(key) or described(cls, key)})
+                row["defaults"][label] = list(p.default) if isinstance(p.default, tuple) else p.default
+                row["users"].append(label)
+        if extra != []:
+            rows[f"… ({label})"] = {"type": "", "defaults": {}, "users": [label],
+                                    "text": f"any keyword argument of `vector_quantize_pytorch.{cls.peer}`, as it is"}
+    head = ["key", "type", "default", "allowed", column, "what it sets"]
+    out = []
+    for key, row in rows.items():
+        values = list(row["defaults"].values())
+        default = (f"`{yaml_text(values[0])}`" if values and all(v == values[0] for v in values) else
+                   ", ".join(f"{label} `{yaml_text(v)}`" for label, v in row["defaults"].items()))
+        name = f"`{section}.{key}`" if not key.startswith("…") else f"{section}.{key}"
+        out.append(dict(zip(head, map(cell, [name, row["type"], default, allowed_values(key),
+                                            ", ".join(row["users"]), row["text"]]))))
+    return markdown_table(out, [(h, h, "") for h in head])
 
 
 def config_blocks() -> Dict[str, str]:
@@ -132,11 +151,14 @@ def config_blocks() -> Dict[str, str]:
     from ddcl_vq.studies import prior_study, study
     from ddcl_vq.tokenizer import config
 
-    users, notes = quantizer_notes()
-    extra = {"model": (MODEL_NOTES, None), "quantizer": (notes, users)}
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES, architecture
     cfg, pcfg, rules = config.Config(), prior.PriorConfig(), study.STUDY_RULES
-    blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.", *extra.get(name, ()))
-              for name in cfg.to_dict()}
+    blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.") for name in cfg.to_dict()
+              if name not in ("model", "quantizer")}
+    blocks["train.model"] = section_table("model", {a: architecture(a)[0] for a in config.ARCHS},
+                                          config.MODEL_DEFAULTS, MODEL_NOTES, "model.arch")
+    blocks["train.quantizer"] = section_table("quantizer", QUANTIZER_TYPES, config.QUANTIZER_DEFAULTS,
+                                              QUANTIZER_NOTES, "quantizer types")
     blocks.update({f"prior.{name}": table(getattr(pcfg, name), prior.RULES, f"{name}.") for name in pcfg.to_dict()})
     return {**blocks, "study": table(study.StudyFile(), rules), "arms": table(study.ArmSpec(), rules),
             "parts": table(study.Part(), rules), "prior_study": table(prior_study.PriorStudyFile(), prior_study.RULES)}

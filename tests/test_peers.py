@@ -201,7 +201,7 @@ def test_fsq_without_a_table_entry_warns_once_in_one_clear_line(tmp_path):
 
 
 def test_config_keys_build_the_peers():
-    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
+    from ddcl_vq.tokenizer.config import build_quantizer, quantizer_kwargs
     from ddcl_vq.tokenizer.config import ConfigError, load_config
 
     cfg = load_config(None, ["quantizer.type=fsq", "quantizer.num_codes=256"])

@@ -342,7 +342,7 @@ def test_a_configuration_the_machine_cannot_hold_is_refused_with_the_figure(conf
 
 
 def test_memory_estimate_counts_the_real_model(tmp_path):
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.type=hard"])  # a codebook in training
     model = build_model(cfg, 1)
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

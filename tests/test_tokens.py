@@ -23,7 +23,7 @@ from ddcl_vq.tokenizer.export import export_run
 from ddcl_vq.tokenizer.tokens import index_dtype, read_tokens
 from ddcl_vq.tokenizer.tokens import tokenize_run
 from ddcl_vq.models import VQVAE
-from ddcl_vq.tokenizer.builders import quantizer_kwargs
+from ddcl_vq.tokenizer.config import quantizer_kwargs
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import build_dataset
 from ddcl_vq.tokenizer.train import train
@@ -371,7 +371,7 @@ def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exp
 
 
 def test_init_from_starts_a_new_run_from_an_export_and_refuses_another_shape(exported, tmp_path, capsys):
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     from ddcl_vq.tokenizer.tokens import NEW_RUN_STATE, init_from_export
 
     cfg = load_config(ROOT / CONFIGS["ddcl"], TINY + [f"run.dir={tmp_path / 'ft'}", f"train.init_from={exported}",

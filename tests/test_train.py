@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from ddcl_vq.common import data as data_module
-from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import build_model
 from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from ddcl_vq.tokenizer.train import main as train_main
 from ddcl_vq.tokenizer.config import Config, ConfigError, dump_config, load_config
@@ -186,7 +186,7 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
 
 
 def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
-    from ddcl_vq.tokenizer.builders import build_optimizer
+    from ddcl_vq.tokenizer.config import build_optimizer
     cfg = tiny_config("train.codebook_lr_ratio=1.0")             # the default: M-step codebook
     model = build_model(cfg, 1)
     opt = build_optimizer(model, cfg.train, "ddcl")
@@ -235,7 +235,7 @@ def test_config_defaults_are_the_library_defaults():
 
     from ddcl_vq import DDCLQuantizer
     from ddcl_vq.models import Decoder, Encoder
-    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
+    from ddcl_vq.tokenizer.config import build_quantizer, quantizer_kwargs
     from ddcl_vq.tokenizer.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
 
     cfg = Config()
@@ -266,7 +266,7 @@ def test_config_choices_are_what_the_quantizers_accept():
     """Each allowed value of a quantizer.* key builds the quantizer, and the first value outside
     the choices is refused by the config with the key's name (the choices are the library's tuples)."""
     from ddcl_vq.models.vqvae import QUANTIZER_TYPES
-    from ddcl_vq.tokenizer.builders import build_quantizer
+    from ddcl_vq.tokenizer.config import build_quantizer
     from ddcl_vq.tokenizer.config import CHOICES
 
     assert CHOICES["quantizer.type"] == tuple(QUANTIZER_TYPES)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddcl_vq.tokenizer import losses
-from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import build_model
 from ddcl_vq.tokenizer.config import ConfigError, LossConfig, dump_config, load_config
 
 TINY = ["model.arch=vqgan", "model.ch=16", "model.ch_mult=[1,2]", "model.num_res_blocks=1",
