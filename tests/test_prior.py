@@ -321,7 +321,7 @@ def test_study_prior_config_declares_every_tokenizer_and_validates(tmp_path):
     groups = {a.group for a in study.arms}
     assert groups == {f"{arm}_k{k}" for arm in ("ddcl", "hard", "ema_restart", "vqp_kmeans_expiry", "fsq")
                       for k in (256, 1024)}
-    assert {a.config.quantizer.type for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
+    assert {a.config.quantizer["type"] for a in study.arms} == {"ddcl", "hard", "ema", "vqp", "fsq"}
     assert seeds == [0, 1, 2] and ev["samples"] == 1000 and tok["train_images"] == 0
     # the same prior for every tokenizer: the file's prior is the shipped prior config
     assert load_prior_config(None, prior) == load_prior_config(ROOT / "configs/prior_fashion.yaml")
