@@ -84,7 +84,7 @@ def resolve_section(section: str, raw: Any, cls: type, defaults: Dict[str, Any],
         elif key in defaults or extra is None or key in extra:  # type / arch (checked), a peer's keyword
             out[key] = value
         elif key not in foreign:
-            hint = MOVED.get(name) or did_you_mean(name, [f"{section}.{k}" for k in [*defaults, *named, *extra]])
+            hint = MOVED.get(name) or did_you_mean(name, [f"{section}.{k}" for k in dict.fromkeys([*defaults, *named, *extra])])
             raise ConfigError(f"unknown {config_key(name)}; {hint}")
     return out
 
