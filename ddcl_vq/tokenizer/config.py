@@ -218,13 +218,16 @@ class Config:
     def from_dict(cls, raw: Dict[str, Any], *, saved: bool = False) -> "Config":
         """``saved``: a run's resolved config: exactly this version's keys (:func:`check_saved_keys`), and no
         :func:`validate_training` (it has trained)."""
+        return cls.resolved(check_saved_keys(raw) if saved else raw, training=not saved)
+
+    @classmethod
+    def resolved(cls, raw: Dict[str, Any], training: bool = True) -> "Config":
+        """``raw`` applied to the defaults, its model and quantizer sections resolved, validated."""
         cfg = cls()
-        if saved:
-            raw = check_saved_keys(raw)
         apply(cfg, raw or {}, candidates=all_keys())
         cfg.model, cfg.quantizer = resolve_model(cfg.model), resolve_quantizer(cfg.quantizer)
         validate(cfg)
-        if not saved:
+        if training:
             validate_training(cfg)
         return cfg
 
@@ -384,7 +387,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     raw: Dict[str, Any] = read_yaml_mapping(Path(path), "config file") if path is not None else {}
     check_not_prior(raw, f"config file {str(path)!r}")
     raw = check_saved_keys(raw, f"config file {str(path)!r}") if saved else migrate_0_2_0(raw)
-    return Config.from_dict(apply_overrides(raw, overrides), saved=saved)
+    return Config.resolved(apply_overrides(raw, overrides), training=not saved)
 
 
 #: settings a resumed run may change (train.steps: not below the steps trained; data.root: not for image_folder)
