@@ -20,8 +20,8 @@ ABLATION = ROOT / "configs" / "study_ablation.yaml"
 
 
 def _diff(a: Config, b: Config):
-    a, b = a.to_dict(), b.to_dict()
-    return {f"{s}.{k}": (a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]}
+    a, b = a.to_dict(), b.to_dict()  # a key only one has (another quantizer's): None in the other
+    return {f"{s}.{k}": (a[s].get(k), b[s].get(k)) for s in a for k in {**a[s], **b[s]} if a[s].get(k) != b[s].get(k)}
 
 
 # --------------------------------------------------------------------------- the two configs
@@ -40,19 +40,20 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
                              ("ema_restart_k1024", "fashion_ema"), ("vqp_default_k1024", "fashion_vqp")]:
         diff = _diff(by_group[group], load_config(ROOT / "configs" / f"{reference}.yaml"))
         assert set(diff) == {"run.name", "run.dir", "quantizer.num_codes", "train.eval_images"}, (group, diff)
-    expiry = by_group["vqp_kmeans_expiry_k1024"].quantizer["vqp"]
+    expiry = by_group["vqp_kmeans_expiry_k1024"].quantizer
     util = load_study(ROOT / "configs" / "study_utilization.yaml")
-    assert expiry == next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config.quantizer.vqp
-    assert by_group["ddcl_k1024"].quantizer == Config().quantizer.__class__(num_codes=1024)  # library defaults
+    assert expiry == next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config.quantizer
+    assert expiry == {"type": "vqp", "num_codes": 1024, "kmeans_init": True, "threshold_ema_dead_code": 2}
+    assert by_group["ddcl_k1024"].quantizer == {**Config().quantizer, "num_codes": 1024}  # library defaults
     # the two FSQ arms differ only in the projections' learning rate (the model's, or the codebooks' 3x)
     assert _diff(by_group["fsq_k1024"], by_group["fsq_lr3x_k1024"]).keys() == {"run.name", "run.dir",
                                                                                "train.codebook_lr_ratio"}
     assert by_group["fsq_lr3x_k1024"].train.codebook_lr_ratio == 3.0
     # the two fair SimVQ arms differ only in the encoder gradient (rotation trick, or plain straight-through)
     assert _diff(by_group["simvq_fair_k1024"], by_group["simvq_fair_no_rotation_k1024"]).keys() == {
-        "run.name", "run.dir", "quantizer.simvq"}
-    assert by_group["simvq_fair_no_rotation_k1024"].quantizer["simvq"] == {
-        **by_group["simvq_fair_k1024"].quantizer["simvq"], "rotation_trick": False}
+        "run.name", "run.dir", "quantizer.rotation_trick"}
+    assert by_group["simvq_fair_no_rotation_k1024"].quantizer == {
+        **by_group["simvq_fair_k1024"].quantizer, "rotation_trick": False}
 
 
 def test_ablation_config_validates_chain_ends_at_the_defaults():
