@@ -149,7 +149,7 @@ def test_heldout_study_config_lists_every_part_and_arm():
     assert types == {"ddcl", "hard", "ema", "vqp", "fsq", "simvq"}
     ddcl = [a.config.quantizer for a in study.arms if a.config.quantizer["type"] == "ddcl"]
     defaults = load_config(None).quantizer
-    assert all(q == defaults.__class__(num_codes=q.num_codes) for q in ddcl)  # the library defaults
+    assert all(q == {**defaults, "num_codes": q["num_codes"]} for q in ddcl)  # the library defaults
     photos = [p for p in study.parts if p.name.startswith("photos_")]
     assert len(photos) >= 3
     splits = set()
@@ -165,9 +165,10 @@ def test_heldout_study_config_lists_every_part_and_arm():
     assert cross.eval_overrides == ["data.name=digits"]
     cfgs = [a.config for a in study.arms if a.part == cross.name]
     assert {c.data.name for c in cfgs} == {"fashion_mnist"} and {c.quantizer["num_codes"] for c in cfgs} == {1024}
-    vqp = {a.group: a.config.quantizer["vqp"] for a in study.arms if a.config.quantizer["type"] == "vqp"}
-    assert vqp["photos_a_vqp_kmeans_expiry"] == {"kmeans_init": True, "threshold_ema_dead_code": 2}
-    assert vqp["photos_a_vqp_default"] == {}
+    vqp = {a.group: a.config.quantizer for a in study.arms if a.config.quantizer["type"] == "vqp"}
+    assert vqp["photos_a_vqp_kmeans_expiry"] == {"type": "vqp", "num_codes": 512, "kmeans_init": True,
+                                                 "threshold_ema_dead_code": 2}
+    assert vqp["photos_a_vqp_default"] == {"type": "vqp", "num_codes": 512}
     assert {a.vs for a in study.arms if a.part == "photos_b"} == {None, "photos_b_ddcl"}
 
 
