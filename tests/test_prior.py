@@ -368,7 +368,7 @@ def test_study_prior_seeds_and_gap_are_the_cpu_study_with_other_tokenizers(tmp_p
     assert {a.group for a in gap[1].arms} == set(changed)
     for arm in gap[1].arms:
         like = by_group["ddcl_k" + arm.group.rsplit("_k", 1)[1]]
-        expected = dataclasses.replace(like, quantizer=dataclasses.replace(like.quantizer, **changed[arm.group]))
+        expected = dataclasses.replace(like, quantizer={**like.quantizer, **changed[arm.group]})
         assert same_run(arm.config, like) == expected, arm.name
     for other in (seeds, gap):
         assert other[2] == cpu[2] and other[3:5] == cpu[3:5]
