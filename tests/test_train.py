@@ -219,6 +219,79 @@ def test_a_run_config_of_another_version_is_refused_naming_the_version(tmp_path,
     assert load_config(run / "config.yaml").quantizer["warmup_steps"] == load_config(None).quantizer["warmup_steps"]
 
 
+#: a resolved config of ddcl-vq 0.2.0: one quantizer section with every type's keys (decay null: the quantizer's
+#: own), the peers' sections and fsq_levels; one model section with both architectures' keys
+QUANTIZER_0_2_0 = dict(type="ddcl", num_codes=512, temperature=0.03, temperature_final=None,
+                       temperature_schedule="constant", mode="straight_through", beta=0.25, beta_final=1.0,
+                       revive_threshold=0.03, warmup_steps=100, codebook_init="kmeans", implementation="auto",
+                       distance="euclidean", kmeans_init=False, dead_code_threshold=0.0, logits="dot",
+                       entropy_weight=0.05, entropy_temperature=0.01, patch_size=4, bridge_dim=256, bridge_depth=2,
+                       bridge_heads=4, decay=None, vqp={}, fsq_levels=None, simvq={}, lfq={})
+MODEL_0_2_0 = dict(channels=64, num_res_blocks=2, num_downsamples=2, latent_dim=64, res_hidden=32, arch="vqvae",
+                   ch=128, ch_mult=[1, 1, 2, 2, 4], attn_resolutions=[16], z_channels=256, norm_groups=32)
+
+
+def as_0_2_0(raw):
+    """``raw`` (a resolved config of this version) as ddcl-vq 0.2.0 wrote it."""
+    q, m = raw["quantizer"], raw["model"]
+    old = {**QUANTIZER_0_2_0, **{k: v for k, v in q.items() if k in QUANTIZER_0_2_0}}
+    if q["type"] in ("vqp", "simvq", "lfq"):
+        old[q["type"]] = {k: v for k, v in q.items() if k not in QUANTIZER_0_2_0}
+    old["fsq_levels"] = q.get("levels")
+    return {**raw, "quantizer": old, "model": {**MODEL_0_2_0, **{k: v for k, v in m.items() if k in MODEL_0_2_0}}}
+
+
+def test_migrate_0_2_0_keeps_the_keys_of_the_type_and_the_arch():
+    from ddcl_vq.tokenizer.config import migrate_0_2_0
+    assert Config.from_dict(migrate_0_2_0(as_0_2_0(Config().to_dict()))) == Config()
+    old = {"quantizer": {**QUANTIZER_0_2_0, "type": "vqp", "vqp": {"kmeans_init": True, "decay": 0.9}},
+           "model": MODEL_0_2_0}
+    assert migrate_0_2_0(old)["quantizer"] == {"type": "vqp", "num_codes": 512, "kmeans_init": True, "decay": 0.9}
+    old["quantizer"].update(type="fsq", fsq_levels=[5, 5, 5])
+    assert migrate_0_2_0(old)["quantizer"] == {"type": "fsq", "num_codes": 512, "levels": [5, 5, 5]}
+    old["quantizer"].update(type="ema", dead_code_threshold=0.1)  # decay null: EMAVQ's own 0.99
+    assert Config.from_dict(migrate_0_2_0(old)).quantizer == {"type": "ema", "num_codes": 512, "decay": 0.99,
+                                                              "eps": 1e-5, "beta": 0.25, "dead_code_threshold": 0.1}
+    old["model"] = {**MODEL_0_2_0, "arch": "vqgan", "latent_dim": 8}
+    assert migrate_0_2_0(old)["model"] == {"arch": "vqgan", "num_res_blocks": 2, "latent_dim": 8, "ch": 128,
+                                           "ch_mult": [1, 1, 2, 2, 4], "attn_resolutions": [16], "z_channels": 256,
+                                           "norm_groups": 32}
+    assert migrate_0_2_0({"quantizer": {"type": "vqp"}}) == {"quantizer": {"type": "vqp"}}  # not 0.2.0's: as it is
+
+
+def test_a_run_of_0_2_0_is_migrated_on_load(tiny_config, tmp_path, capsys):
+    """A 0.2.0 run (its config.yaml, its checkpoints' config and its export's config.json) is read by this version:
+    evaluated, resumed and loaded as the same model."""
+    from ddcl_vq.models import VQVAE
+    from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+    from ddcl_vq.tokenizer.export import export_run
+
+    cfg = tiny_config("train.steps=2", "train.eval_images=0", "quantizer.type=ema", "quantizer.decay=0.95")
+    train(cfg, quiet=True)
+    run = Path(cfg.run.dir)
+    export_run(run, tmp_path / "export")
+    (run / "config.yaml").write_text(yaml.safe_dump(as_0_2_0(cfg.to_dict()), sort_keys=False))
+    for path in (run / "checkpoints").glob("*.pt"):
+        state = torch.load(path, weights_only=True)
+        state["config"] = as_0_2_0(state["config"])
+        torch.save(state, path)
+    assert load_config(run / "config.yaml", saved=True) == cfg
+    assert evaluate_main([str(run), "--max-images", "32", "--quiet"]) == 0
+    assert train_main(["--config", str(run / "config.yaml"), "--quiet", "train.steps=3"]) == 0
+    assert latest_checkpoint(run / "checkpoints")[0]["step"] == 3
+    # the export's config.json as 0.2.0 wrote it (encoder_kwargs, decoder_kwargs, quantizer_type, quantizer_kwargs)
+    path = tmp_path / "export" / "config.json"
+    new = json.loads(path.read_text())
+    model, q = dict(new.pop("model")), dict(new.pop("quantizer"))
+    arch, channels = model.pop("arch"), model.pop("in_channels")
+    path.write_text(json.dumps({**new, "arch": arch, "encoder_kwargs": {"in_channels": channels, **model},
+                                "decoder_kwargs": {"out_channels": channels, **model}, "quantizer_type": q.pop("type"),
+                                "quantizer_kwargs": {**q, "dim": model["latent_dim"]}}))
+    loaded = VQVAE.from_pretrained(str(tmp_path / "export"))
+    assert loaded.config["model"] == {"arch": arch, "in_channels": channels, **model}
+    assert loaded.config["quantizer"]["decay"] == 0.95 and type(loaded.quantizer).__name__ == "EMAVQ"
+
+
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml")
                                          if not p.name.startswith(("study_", "prior_"))))  # own tests
 def test_every_shipped_config_validates(path):

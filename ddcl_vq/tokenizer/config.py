@@ -281,7 +281,10 @@ def migrate_0_2_0(raw: Any) -> Any:
     if qtype == "fsq" and q.get("fsq_levels") is not None:
         new_q["levels"] = q["fsq_levels"]
     encoder = constructor_keys(architecture(arch)[0])[0]
-    return {**raw, "quantizer": new_q, "model": {k: v for k, v in m.items() if k == "arch" or k in encoder}}
+    model = {k: v for k, v in m.items() if k == "arch" or k in encoder}
+    # the arguments 0.2.0 left out of its config (eps, chunk_size, ...) at what it passed: the constructor's default
+    return {**raw, "quantizer": {**resolve_quantizer({"type": qtype}), **new_q},
+            "model": {**resolve_model({"arch": arch}), **model}}
 
 
 def check_saved_keys(raw: Any, where: str = "the run's config") -> Any:
