@@ -38,7 +38,9 @@ MODEL_NOTES = {
 }
 #: the keys the config adds to the quantizer classes' arguments: (default, what it sets)
 QUANTIZER_NOTES = {"type": "the quantizer class (`ddcl_vq.models.vqvae.QUANTIZER_TYPES`)",
-                   "num_codes": "K, the codebook size"}
+                   "num_codes": "K, the codebook size",
+                   "…": "any keyword argument of the vector-quantize-pytorch class the quantizer wraps "
+                        "(`VectorQuantize`, `FSQ`, `SimVQ`, `LFQ`), as it is"}
 
 
 def cell(text: str) -> str:
@@ -60,10 +62,7 @@ def described(cls: type, key: str) -> str:
 def fields_of(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any, Any, str]]:
     """(dotted key, annotation, default, what it sets: its trailing ``# comment`` or its option's help) for every
     leaf of the dataclass instance ``obj``."""
-    try:
-        source = inspect.getsource(type(obj))
-    except (OSError, TypeError):  # pragma: no cover - a class without source
-        source = ""
+    source = inspect.getsource(type(obj))
     comments = dict(reversed(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+?)\s*$", source, re.M)))
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
@@ -100,48 +99,30 @@ def table(obj: Any, rules: Any, prefix: str = "") -> str:
     return markdown_table(rows, [(h, h, "") for h in head])
 
 
-def allowed_values(key: str) -> str:
-    """The allowed values the quantizer modules publish for ``key`` (their choice tuples)."""
-    from ddcl_vq.ddcl.arguments import DDCL_CHOICES
-    from ddcl_vq.hard import HARDVQ_CHOICES
-    from ddcl_vq.ibq import IBQ_LOGITS
-    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
-    from ddcl_vq.tokenizer.config import ARCHS
-    choices = {**DDCL_CHOICES, **HARDVQ_CHOICES, "logits": IBQ_LOGITS, "type": tuple(QUANTIZER_TYPES), "arch": ARCHS}
-    return ", ".join(f"`{v}`" for v in choices.get(key, ()))
-
-
-def section_table(section: str, classes: Dict[str, type], defaults: Dict[str, Any], notes: Dict[str, str],
-                  column: str) -> str:
-    """The keys of a model/quantizer section: ``defaults``' (the config's own), then every class's keyword arguments
-    (``column``: which classes take each; a default that differs between them per class)."""
+def section_table(section: str, classes: Dict[str, type], resolve: Callable[[str], Dict[str, Any]],
+                  notes: Dict[str, str], column: str) -> str:
+    """The keys of a model/quantizer section: every class's (``resolve(label)``: its section, defaults filled), which
+    classes take each (``column``), a default that differs between them per class."""
     from ddcl_vq.common.config import type_name
     from ddcl_vq.studies.tables import markdown_table
     from ddcl_vq.tokenizer.config import constructor_keys
 
-    rows: Dict[str, Dict[str, Any]] = {k: {"type": type_name(type(v)), "defaults": {"": v}, "users": ["all"],
-                                           "text": notes.get(k, "")} for k, v in defaults.items()}
+    rows: Dict[str, Dict[str, Any]] = {}
     for label, cls in classes.items():
-        named, extra = constructor_keys(cls)
-        hints = typing.get_type_hints(cls.__init__)
-        for key, p in named.items():
-            if key not in defaults:
-                row = rows.setdefault(key, {"type": type_name(hints.get(key, Any)), "defaults": {}, "users": [],
-                                            "text": notes.get(key) or described(cls, key)})
-                row["defaults"][label] = list(p.default) if isinstance(p.default, tuple) else p.default
-                row["users"].append(label)
-        if extra != []:
-            rows[f"… ({label})"] = {"type": "", "defaults": {}, "users": [label],
-                                    "text": f"any keyword argument of `vector_quantize_pytorch.{cls.peer}`, as it is"}
-    head = ["key", "type", "default", "allowed", column, "what it sets"]
+        hints, peer = typing.get_type_hints(cls.__init__), constructor_keys(cls)[1] != []
+        for key, value in {**resolve(label), **({"…": ""} if peer else {})}.items():
+            row = rows.setdefault(key, {"type": type_name(hints.get(key, type(value))) if value != "" else "",
+                                        "defaults": {}, "text": notes.get(key) or described(cls, key)})
+            row["defaults"][label] = value
+    head = ["key", "type", "default", column, "what it sets"]  # the allowed values: the classes' own checks
     out = []
     for key, row in rows.items():
-        values = list(row["defaults"].values())
-        default = (f"`{yaml_text(values[0])}`" if values and all(v == values[0] for v in values) else
-                   ", ".join(f"{label} `{yaml_text(v)}`" for label, v in row["defaults"].items()))
-        name = f"`{section}.{key}`" if not key.startswith("…") else f"{section}.{key}"
-        out.append(dict(zip(head, map(cell, [name, row["type"], default, allowed_values(key),
-                                            ", ".join(row["users"]), row["text"]]))))
+        values, first = row["defaults"], list(row["defaults"].values())[0]
+        default = (f"`{yaml_text(first)}`" if all(v == first for v in values.values()) or key in ("type", "arch")
+                   else ", ".join(f"{label} `{yaml_text(v)}`" for label, v in values.items()))
+        users = "all" if len(values) == len(classes) else ", ".join(values)
+        out.append(dict(zip(head, map(cell, [f"`{section}.{key}`", row["type"], "" if key == "…" else default, users,
+                                            row["text"]]))))
     return markdown_table(out, [(h, h, "") for h in head])
 
 
@@ -156,9 +137,9 @@ def config_blocks() -> Dict[str, str]:
     blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.") for name in cfg.to_dict()
               if name not in ("model", "quantizer")}
     blocks["train.model"] = section_table("model", {a: architecture(a)[0] for a in config.ARCHS},
-                                          config.MODEL_DEFAULTS, MODEL_NOTES, "model.arch")
-    blocks["train.quantizer"] = section_table("quantizer", QUANTIZER_TYPES, config.QUANTIZER_DEFAULTS,
-                                              QUANTIZER_NOTES, "quantizer types")
+                                          lambda a: config.resolve_model({"arch": a}), MODEL_NOTES, "model.arch")
+    blocks["train.quantizer"] = section_table("quantizer", QUANTIZER_TYPES, lambda t: config.resolve_quantizer(
+        {"type": t}), QUANTIZER_NOTES, "quantizer types")
     blocks.update({f"prior.{name}": table(getattr(pcfg, name), prior.RULES, f"{name}.") for name in pcfg.to_dict()})
     return {**blocks, "study": table(study.StudyFile(), rules), "arms": table(study.ArmSpec(), rules),
             "parts": table(study.Part(), rules), "prior_study": table(prior_study.PriorStudyFile(), prior_study.RULES)}

@@ -6,7 +6,6 @@ quantizer -> decoder, shared as config.json + model.safetensors (``save_pretrain
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 import os
@@ -97,19 +96,12 @@ def check_config(config: Any, where: str) -> Dict[str, Any]:
     if q.get("type") not in QUANTIZER_TYPES:
         raise ValueError(f"expected quantizer.type in {where} to be one of {', '.join(QUANTIZER_TYPES)}, "
                          f"got {q.get('type')!r}"[:300])
-    for key in ("num_codes", "dim"):
-        if (key in q or key == "num_codes") and not _integer(q.get(key)):
-            raise ValueError(f"expected quantizer.{key} in {where} to be a positive integer, got {q.get(key)!r}")
+    for key, value in (("quantizer.num_codes", q.get("num_codes")),
+                       ("model.latent_dim (D)", q.get("dim", config["model"].get("latent_dim")))):
+        if not _integer(value):
+            raise ValueError(f"expected {key} in {where} to be a positive integer, got {value!r}")
     check_model_arguments(config["model"], where=f" in {where}")
     return config
-
-
-def quantizer_dim(config: Dict[str, Any]) -> int:
-    """D: ``quantizer.dim`` if given, else ``model.latent_dim`` (else the encoder's default)."""
-    model = config["model"]
-    encoder = architecture(model.get("arch", "vqvae"))[0]
-    return config["quantizer"].get("dim", model.get("latent_dim",
-                                                    inspect.signature(encoder).parameters["latent_dim"].default))
 
 
 def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
@@ -135,7 +127,8 @@ def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
 
 def check_size(config: Dict[str, Any], header: Dict[str, Any], weights: str) -> None:
     """Refuse a config whose codebook alone (K·D float32) is larger than the weights file's tensors or this machine."""
-    q, dim = config["quantizer"], quantizer_dim(config)
+    q = config["quantizer"]
+    dim = q.get("dim", config["model"].get("latent_dim"))
     if q["type"] not in LEARNED_CODEBOOK:
         return
     codebook = 4 * q["num_codes"] * dim
@@ -283,7 +276,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
     ``VQVAE.from_config(config)`` builds one from plain constructor arguments and remembers them (``model.config``), so
     it can ``save_pretrained`` / ``push_to_hub`` and be loaded with ``VQVAE.from_pretrained``. The config::
 
-        {"format": "ddcl-vq/vqvae", "model": {"arch": "vqvae", "in_channels": C, ...the Encoder's arguments},
+        {"format": "ddcl-vq/vqvae", "model": {"arch": "vqvae", "in_channels": C, "latent_dim": D, ...the Encoder's},
          "quantizer": {"type": one of QUANTIZER_TYPES, "num_codes": K, ...that class's arguments}}
 
     (the sections of a training config, with the data's channels; D is ``model.latent_dim``; a 0.2.0 config.json
@@ -311,7 +304,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         model, q = dict(config["model"]), dict(config["quantizer"])
         encoder_cls, decoder_cls = architecture(model.pop("arch", "vqvae"))
         channels = model.pop("in_channels", None)
-        qtype, dim = q.pop("type", None), q.pop("dim", quantizer_dim(config))
+        qtype, dim = q.pop("type", None), q.pop("dim", model.get("latent_dim"))  # D: the encoder's output
         if qtype not in QUANTIZER_TYPES:
             raise ValueError(f"expected quantizer type in {', '.join(QUANTIZER_TYPES)}, got {qtype!r}")
         encoder = encoder_cls(**model, **({} if channels is None else {"in_channels": channels}))

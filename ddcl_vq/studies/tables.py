@@ -57,10 +57,7 @@ ms/step         = milliseconds of wall-clock time per training step, from metric
 
 def settings_text(cfg) -> str:
     from ddcl_vq.tokenizer.config import resolve_quantizer
-    defaults = resolve_quantizer({"type": cfg.quantizer["type"]})  # what the arm changed: the rest are defaults
-    changed = {k: v for k, v in cfg.quantizer.items() if k not in ("type", "num_codes") and defaults.get(k, v) != v
-               or k not in defaults}
-    q, t = SimpleNamespace(**cfg.quantizer), cfg.train
+    q, t, own = SimpleNamespace(**cfg.quantizer), cfg.train, resolve_quantizer({"type": cfg.quantizer["type"]})
     if q.type == "ddcl":
         tau = (f"τ={q.temperature:g}" if q.temperature_schedule == "constant" else
                f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})")
@@ -68,17 +65,17 @@ def settings_text(cfg) -> str:
             + ([f"revival {q.revive_threshold:g}"] if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
             + ([f"β {q.beta:g}→{q.beta_final:g}"] if q.beta_final is not None and q.mode == "straight_through" else [])
-        return ", ".join([q.mode, tau, "M-step" + (f" decay={q.decay:g}" if "decay" in changed else "")] + extra)
+        return ", ".join([q.mode, tau, "M-step" + (f" decay={q.decay:g}" if q.decay != own["decay"] else "")] + extra)
     if q.type == "hard":
         extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) \
             + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
     if q.type == "ema":
-        decay = q.decay
-        return f"decay={decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
-            else f"decay={decay:g}, no restart"
+        return f"decay={q.decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
+            else f"decay={q.decay:g}, no restart"
     if q.type in ("vqp", "simvq", "lfq"):
-        text = "defaults" if not changed else ", ".join(f"{k}={v}" for k, v in changed.items())
+        changed = [f"{k}={v}" for k, v in cfg.quantizer.items() if k != "num_codes" and (k not in own or own[k] != v)]
+        text = ", ".join(changed) or "defaults"
         return text + (f", ρ={t.codebook_lr_ratio:g}" if q.type == "simvq" else "")
     if q.type == "ibq":
         extra = [f"β={q.beta:g}", f"{q.logits} logits"] + (

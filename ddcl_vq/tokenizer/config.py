@@ -38,10 +38,9 @@ __all__ = ["ConfigError", "differences", "dump_config"]  # re-exported: what the
 MODEL_DEFAULTS: Dict[str, Any] = {"arch": "vqvae"}
 QUANTIZER_DEFAULTS: Dict[str, Any] = {"type": "ddcl", "num_codes": 512}
 ARCHS = ("vqvae", "vqgan")
-#: constructor arguments that are no config key, and where their value comes from
-NOT_IN_CONFIG = {"in_channels": "the data's channels", "out_channels": "the data's channels",
-                 "resolution": "data.image_size", "dim": "model.latent_dim", "channel_dim": "1 (channel-first)",
-                 "schedule_steps": "train.steps"}
+#: constructor arguments that are no config key: the data's channels, data.image_size, model.latent_dim, 1
+#: (channel-first), train.steps
+NOT_IN_CONFIG = ("in_channels", "out_channels", "resolution", "dim", "channel_dim", "schedule_steps")
 #: ddcl-vq 0.2.0 keys that are gone (a config written for 0.2.0 is told where they went)
 MOVED = {f"quantizer.{name}": f"0.2.0's quantizer.{name} section is gone: its keys go straight under quantizer "
                               f"(quantizer.type {name})" for name in ("vqp", "simvq", "lfq")}
@@ -61,9 +60,9 @@ def constructor_keys(cls: type) -> Tuple[Dict[str, inspect.Parameter], Optional[
         peer = inspect.signature(getattr(vector_quantize_pytorch, cls.peer).__init__).parameters
     except (ImportError, AttributeError):
         return named, None  # the quantizer says how to install it
-    if any(p.kind is p.VAR_KEYWORD for p in peer.values()):
-        return named, None
-    return named, [p for p in peer if p not in ("self", "dim", "codebook_size", "channel_first") and p not in named]
+    free = any(p.kind is p.VAR_KEYWORD for p in peer.values())
+    return named, None if free else [p for p in peer if p not in ("self", "dim", "codebook_size", "channel_first")
+                                     and p not in named]
 
 
 def resolve_section(section: str, raw: Any, cls: type, defaults: Dict[str, Any],
@@ -84,14 +83,16 @@ def resolve_section(section: str, raw: Any, cls: type, defaults: Dict[str, Any],
         elif key in defaults or extra is None or key in extra:  # type / arch (checked), a peer's keyword
             out[key] = value
         elif key not in foreign:
-            hint = MOVED.get(name) or did_you_mean(name, [f"{section}.{k}" for k in dict.fromkeys([*defaults, *named, *extra])])
-            raise ConfigError(f"unknown {config_key(name)}; {hint}")
+            valid = [f"{section}.{k}" for k in dict.fromkeys([*defaults, *named, *extra])]
+            raise ConfigError(f"unknown {config_key(name)}; {MOVED.get(name) or did_you_mean(name, valid)}")
     return out
 
 
-def choice(key: str, value: Any, allowed: Sequence[str]) -> Any:
+def choice(section: str, key: str, raw: Any, default: str, allowed: Sequence[str]) -> str:
+    """``raw[key]`` (a section's type or arch) if one of ``allowed``."""
+    value = raw.get(key, default) if isinstance(raw, dict) else None
     if value not in allowed:
-        raise ConfigError(f"{config_key(key)}: expected one of {list(allowed)}, got {value!r}")
+        raise ConfigError(f"{config_key(f'{section}.{key}')}: expected one of {list(allowed)}, got {value!r}")
     return value
 
 
@@ -99,17 +100,15 @@ def refused(section: str, keys: Sequence[str], err: Exception, what: str) -> Con
     """A constructor's ValueError as a ConfigError naming the key its message names (else the section)."""
     text = one_line(err) or type(err).__name__
     named = [k for k in keys if re.search(rf"\b{k}\b", text)]
-    if named:
-        return ConfigError(f"{config_key(f'{section}.{named[0]}')}: {text}")
-    return ConfigError(f"config keys {section}.*: {what} refuses these settings: {text}")
+    where = config_key(f"{section}.{named[0]}") if named else f"config keys {section}.*: {what} refuses these settings"
+    return ConfigError(f"{where}: {text}")
 
 
 def resolve_model(raw: Any) -> Dict[str, Any]:
     """The ``model`` section: ``arch`` and the encoder's keyword arguments (defaults filled, sizes checked)."""
-    arch = choice("model.arch", (raw or {}).get("arch", "vqvae") if isinstance(raw, dict) else None, ARCHS)
-    other = architecture(ARCHS[1 - ARCHS.index(arch)])[0]
-    model = resolve_section("model", raw, architecture(arch)[0], {**MODEL_DEFAULTS, "arch": arch},
-                            foreign=list(constructor_keys(other)[0]))
+    arch = choice("model", "arch", raw, "vqvae", ARCHS)
+    other = constructor_keys(architecture(ARCHS[1 - ARCHS.index(arch)])[0])[0]
+    model = resolve_section("model", raw, architecture(arch)[0], {**MODEL_DEFAULTS, "arch": arch}, foreign=other)
     try:
         check_model_arguments(model)
     except ValueError as err:
@@ -119,8 +118,7 @@ def resolve_model(raw: Any) -> Dict[str, Any]:
 
 def resolve_quantizer(raw: Any) -> Dict[str, Any]:
     """The ``quantizer`` section: ``type`` and that class's keyword arguments (defaults filled, types checked)."""
-    qtype = (raw or {}).get("type", QUANTIZER_DEFAULTS["type"]) if isinstance(raw, dict) else None
-    choice("quantizer.type", qtype, tuple(QUANTIZER_TYPES))
+    qtype = choice("quantizer", "type", raw, QUANTIZER_DEFAULTS["type"], tuple(QUANTIZER_TYPES))
     return resolve_section("quantizer", raw, QUANTIZER_TYPES[qtype], {**QUANTIZER_DEFAULTS, "type": qtype})
 
 
@@ -274,17 +272,13 @@ def migrate_0_2_0(raw: Any) -> Any:
     qtype, arch = q.get("type"), m.get("arch", "vqvae")
     if qtype not in QUANTIZER_TYPES or arch not in ARCHS:
         return raw  # resolving it says what is wrong
-    named = constructor_keys(QUANTIZER_TYPES[qtype])[0]
-    new_q = {k: v for k, v in q.items() if k in ("type", "num_codes") or (k in named and not (k == "decay" and
-                                                                                                v is None))}
-    new_q.update(q.get(qtype) or {} if qtype in ("vqp", "simvq", "lfq") else {})
+    # the arguments 0.2.0 left out (eps, chunk_size, ...) at what it passed them: the constructor's defaults
+    new_q, model = resolve_quantizer({"type": qtype}), resolve_model({"arch": arch})
+    new_q.update({k: v for k, v in q.items() if k in new_q and not (k == "decay" and v is None)},
+                 **(q.get(qtype) or {} if qtype in ("vqp", "simvq", "lfq") else {}))
     if qtype == "fsq" and q.get("fsq_levels") is not None:
         new_q["levels"] = q["fsq_levels"]
-    encoder = constructor_keys(architecture(arch)[0])[0]
-    model = {k: v for k, v in m.items() if k == "arch" or k in encoder}
-    # the arguments 0.2.0 left out of its config (eps, chunk_size, ...) at what it passed: the constructor's default
-    return {**raw, "quantizer": {**resolve_quantizer({"type": qtype}), **new_q},
-            "model": {**resolve_model({"arch": arch}), **model}}
+    return {**raw, "quantizer": new_q, "model": {**model, **{k: v for k, v in m.items() if k in model}}}
 
 
 def check_saved_keys(raw: Any, where: str = "the run's config") -> Any:
@@ -425,9 +419,9 @@ def check_resume(saved: Config, cfg: Config, trained_steps: int, run_dir: Path) 
         elif key == "train.steps" and new < trained_steps:
             fewer = (key, old, new)
         elif key == "train.steps":
+            schedule = cfg.quantizer.get("temperature_schedule", "constant")
             stretched = [what for what, on in (("the learning-rate schedule", cfg.train.lr_schedule != "constant"),
-                                               ("the temperature schedule",
-                                               cfg.quantizer.get("temperature_schedule", "constant") != "constant")) if on]
+                                               ("the temperature schedule", schedule != "constant")) if on]
             if stretched:
                 notes.append(f"train.steps {old} -> {new}: {' and '.join(stretched)} "
                              f"{'was' if len(stretched) == 1 else 'were'} laid out for {old} steps; the learning rate "

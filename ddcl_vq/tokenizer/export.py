@@ -182,11 +182,11 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                           f"encoder/decoder); {str(run_dir)!r} is a {cfg.model['arch']} run: export it with --format "
                           "ddcl-vq")
     if not model.quantizer.assigns_nearest_code:
-        why = NOT_NEAREST.get(cfg.quantizer['type'], "another rule")
+        qtype = cfg.quantizer["type"]
         raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row "
-                          f"(diffusers' VQModel encodes by nearest-code search); the {cfg.quantizer['type']} quantizer's "
-                          f"index is not ({why}), so the exported VQModel would encode other codes than the run: "
-                          "export it with --format ddcl-vq")
+                          f"(diffusers' VQModel encodes by nearest-code search); the {qtype} quantizer's index is not "
+                          f"({NOT_NEAREST.get(qtype, 'another rule')}), so the exported VQModel would encode other "
+                          "codes than the run: export it with --format ddcl-vq")
     check_out_dir(run_dir, out_dir, overwrite)
     model = model.cpu().eval()
     codes = torch.arange(model.quantizer.num_codes)
@@ -343,7 +343,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"{checked} from_pretrained reproduces the hard reconstructions and indices of "
                   f"{done['checked_images']} images bit for bit")
-            if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
+            if hasattr(QUANTIZER_TYPES[done["quantizer_type"]], "peer"):
                 print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is "
                       "loaded")
             print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")
