@@ -99,18 +99,20 @@ def table(obj: Any, rules: Any, prefix: str = "") -> str:
     return markdown_table(rows, [(h, h, "") for h in head])
 
 
-def section_table(section: str, classes: Dict[str, type], resolve: Callable[[str], Dict[str, Any]],
-                  notes: Dict[str, str], column: str) -> str:
-    """The keys of a model/quantizer section: every class's (``resolve(label)``: its section, defaults filled), which
-    classes take each (``column``), a default that differs between them per class."""
+def section_table(section: str, notes: Dict[str, str], column: str) -> str:
+    """The keys of the model or quantizer section: every arch's or type's (as resolved: the defaults filled), which
+    take each (``column``), a default that differs between them per arch or type."""
     from ddcl_vq.common.config import type_name
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES, architecture
     from ddcl_vq.studies.tables import markdown_table
-    from ddcl_vq.tokenizer.config import constructor_keys
+    from ddcl_vq.tokenizer import config
 
+    by, classes, resolve = (("arch", {a: architecture(a)[0] for a in config.ARCHS}, config.resolve_model)
+                            if section == "model" else ("type", QUANTIZER_TYPES, config.resolve_quantizer))
     rows: Dict[str, Dict[str, Any]] = {}
     for label, cls in classes.items():
-        hints, peer = typing.get_type_hints(cls.__init__), constructor_keys(cls)[1] != []
-        for key, value in {**resolve(label), **({"…": ""} if peer else {})}.items():
+        hints, peer = typing.get_type_hints(cls.__init__), config.constructor_keys(cls)[1] != []
+        for key, value in {**resolve({by: label}), **({"…": ""} if peer else {})}.items():
             row = rows.setdefault(key, {"type": type_name(hints.get(key, type(value))) if value != "" else "",
                                         "defaults": {}, "text": notes.get(key) or described(cls, key)})
             row["defaults"][label] = value
@@ -132,14 +134,11 @@ def config_blocks() -> Dict[str, str]:
     from ddcl_vq.studies import prior_study, study
     from ddcl_vq.tokenizer import config
 
-    from ddcl_vq.models.vqvae import QUANTIZER_TYPES, architecture
     cfg, pcfg, rules = config.Config(), prior.PriorConfig(), study.STUDY_RULES
     blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.") for name in cfg.to_dict()
               if name not in ("model", "quantizer")}
-    blocks["train.model"] = section_table("model", {a: architecture(a)[0] for a in config.ARCHS},
-                                          lambda a: config.resolve_model({"arch": a}), MODEL_NOTES, "model.arch")
-    blocks["train.quantizer"] = section_table("quantizer", QUANTIZER_TYPES, lambda t: config.resolve_quantizer(
-        {"type": t}), QUANTIZER_NOTES, "quantizer types")
+    blocks.update({f"train.{s}": section_table(s, notes, column) for s, notes, column in (
+        ("model", MODEL_NOTES, "model.arch"), ("quantizer", QUANTIZER_NOTES, "quantizer types"))})
     blocks.update({f"prior.{name}": table(getattr(pcfg, name), prior.RULES, f"{name}.") for name in pcfg.to_dict()})
     return {**blocks, "study": table(study.StudyFile(), rules), "arms": table(study.ArmSpec(), rules),
             "parts": table(study.Part(), rules), "prior_study": table(prior_study.PriorStudyFile(), prior_study.RULES)}

@@ -47,8 +47,7 @@ class Rules:
 
 # ----------------------------------------------------------------------------- keys
 def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
-    """(dotted name, value) for every leaf setting of a dataclass instance (nested dataclasses walked, and the dicts
-    of fields marked ``metadata={"section": True}``)."""
+    """(dotted name, value) for every leaf of a dataclass instance (nested dataclasses and ``section`` dicts walked)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

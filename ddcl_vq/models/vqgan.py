@@ -75,8 +75,7 @@ class VQGANDecoder(nn.Module):
 
 
 def diffusers_config(model: Dict[str, Any], num_codes: int) -> Dict[str, Any]:
-    """``diffusers.VQModel``'s constructor arguments for a VQGAN of ``model`` (the encoder's arguments) with
-    ``num_codes`` codes."""
+    """``diffusers.VQModel``'s constructor arguments for a VQGAN of ``model`` (its arguments), ``num_codes`` codes."""
     e = dict(model)
     ch, ch_mult = e.get("ch", 128), list(e.get("ch_mult", (1, 1, 2, 2, 4)))
     down, up = block_types(ch_mult, e.get("attn_resolutions", (16,)), e.get("resolution", 256))

@@ -25,9 +25,8 @@ from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, I
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
                    "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
-#: the keys every config.json holds: the encoder's (and decoder's) keyword arguments, the quantizer's
+#: the keys every config.json holds (the encoder's and the quantizer's keyword arguments), and 0.2.0's (migrated)
 REQUIRED = ("model", "quantizer")
-#: the keys of a ddcl-vq 0.2.0 config.json, which :func:`migrate_config` turns into ``model`` and ``quantizer``
 OLD_KEYS = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
 WEIGHTS_NAME = "model.safetensors"
 
@@ -60,12 +59,11 @@ def _integer(value: Any, low: int = 1, high: float = math.inf) -> bool:
 def migrate_config(config: Any) -> Any:
     """A ddcl-vq 0.2.0 config.json (``encoder_kwargs``, ``decoder_kwargs``, ``quantizer_type``, ``quantizer_kwargs``)
     in this version's form (``model``, ``quantizer``); any other config as it is."""
-    if not isinstance(config, dict) or "model" in config or not all(k in config for k in OLD_KEYS) or \
-            not isinstance(config["encoder_kwargs"], dict) or not isinstance(config["quantizer_kwargs"], dict):
+    if not isinstance(config, dict) or "model" in config or not all(isinstance(config.get(k), dict) for k in OLD_KEYS
+                                                                      if k.endswith("kwargs")):
         return config
-    model, q = {"arch": config.get("arch", "vqvae"), **config["encoder_kwargs"]}, dict(config["quantizer_kwargs"])
-    if q.get("dim") == model.get("latent_dim"):
-        del q["dim"]
+    model = {"arch": config.get("arch", "vqvae"), **config["encoder_kwargs"]}
+    q = {k: v for k, v in config["quantizer_kwargs"].items() if not (k == "dim" and v == model.get("latent_dim"))}
     return {**{k: v for k, v in config.items() if k not in OLD_KEYS + ("arch",)}, "model": model,
             "quantizer": {"type": config["quantizer_type"], **q}}
 
@@ -279,8 +277,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         {"format": "ddcl-vq/vqvae", "model": {"arch": "vqvae", "in_channels": C, "latent_dim": D, ...the Encoder's},
          "quantizer": {"type": one of QUANTIZER_TYPES, "num_codes": K, ...that class's arguments}}
 
-    (the sections of a training config, with the data's channels; D is ``model.latent_dim``; a 0.2.0 config.json
-    is read too: :func:`migrate_config`).
+    (a training config's sections, with the data's channels; a 0.2.0 config.json is read too: :func:`migrate_config`).
 
     ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ, for reading: the state itself is in the weights) and
     keeps any other keys of ``model.config`` (``ddcl-vq export`` records the run, step and data there)."""
@@ -303,13 +300,12 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
             raise ValueError(f"expected a VQVAE config with {', '.join(missing)}; got keys {sorted(config)}")
         model, q = dict(config["model"]), dict(config["quantizer"])
         encoder_cls, decoder_cls = architecture(model.pop("arch", "vqvae"))
-        channels = model.pop("in_channels", None)
+        io = {"in_channels": model.pop("in_channels")} if "in_channels" in model else {}  # the decoder's out_channels
         qtype, dim = q.pop("type", None), q.pop("dim", model.get("latent_dim"))  # D: the encoder's output
         if qtype not in QUANTIZER_TYPES:
             raise ValueError(f"expected quantizer type in {', '.join(QUANTIZER_TYPES)}, got {qtype!r}")
-        encoder = encoder_cls(**model, **({} if channels is None else {"in_channels": channels}))
-        quantizer = QUANTIZER_TYPES[qtype](dim=dim, **q)
-        decoder = decoder_cls(**model, **({} if channels is None else {"out_channels": channels}))
+        encoder, quantizer = encoder_cls(**model, **io), QUANTIZER_TYPES[qtype](dim=dim, **q)
+        decoder = decoder_cls(**model, **{"out_channels": c for c in io.values()})
         model = cls(encoder, quantizer, decoder)
         model.config = copy.deepcopy(dict(config))
         model.config.setdefault("format", CONFIG_FORMAT)

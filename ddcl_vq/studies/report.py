@@ -97,7 +97,7 @@ def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequ
     from ddcl_vq.tokenizer.metrics import definitions
     b = study.arms[0].config
     seed_text = ", ".join(map(str, sorted({a.seed for a in study.arms if a.seed is not None})))  # arms may add seeds
-    m = b.model
+    m = b.model  # the sizes of its arch
     sizes = (f"{m['channels']} channels, {m['num_res_blocks']} residual blocks, {m['num_downsamples']} downsamplings"
              if m["arch"] == "vqvae" else f"VQGAN ch {m['ch']} × {m['ch_mult']}, {m['num_res_blocks']} residual blocks")
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "

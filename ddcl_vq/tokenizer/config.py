@@ -2,11 +2,9 @@
 
     cfg = load_config("configs/fashion_ddcl.yaml", ["train.steps=200", "quantizer.temperature=0.02"])
 
-``run``, ``data``, ``train`` and ``loss`` are dataclasses. ``model`` and ``quantizer`` are plain dicts, exactly the
-keyword arguments of the encoder/decoder (``model.arch``) and of the quantizer class (``quantizer.type``, one of
-:data:`~ddcl_vq.models.vqvae.QUANTIZER_TYPES`) with their defaults, checked against those constructors' signatures:
-what an export's config.json stores and :func:`build_model` passes on. Which settings a resumed run may change is
-:data:`RESUMABLE`.
+``run``, ``data``, ``train``, ``loss``: dataclasses; ``model``, ``quantizer``: plain dicts, the keyword arguments of the
+encoder/decoder (``model.arch``) and of the quantizer class (``quantizer.type``: ``QUANTIZER_TYPES``) with their
+defaults, checked by those constructors; what config.json stores (:func:`build_model`). Resumable: :data:`RESUMABLE`.
 """
 from __future__ import annotations
 
@@ -34,12 +32,10 @@ from ddcl_vq.common.skeleton import lr_schedule
 
 __all__ = ["ConfigError", "differences", "dump_config"]  # re-exported: what the commands import from here
 
-#: what the config adds to the constructors' own defaults
-MODEL_DEFAULTS: Dict[str, Any] = {"arch": "vqvae"}
+#: what the config adds to the quantizer constructors' own defaults (the model's: arch vqvae)
 QUANTIZER_DEFAULTS: Dict[str, Any] = {"type": "ddcl", "num_codes": 512}
 ARCHS = ("vqvae", "vqgan")
-#: constructor arguments that are no config key: the data's channels, data.image_size, model.latent_dim, 1
-#: (channel-first), train.steps
+#: constructor arguments that are no config key (the data's channels, image size, latent_dim, 1, train.steps)
 NOT_IN_CONFIG = ("in_channels", "out_channels", "resolution", "dim", "channel_dim", "schedule_steps")
 #: ddcl-vq 0.2.0 keys that are gone (a config written for 0.2.0 is told where they went)
 MOVED = {f"quantizer.{name}": f"0.2.0's quantizer.{name} section is gone: its keys go straight under quantizer "
@@ -67,9 +63,8 @@ def constructor_keys(cls: type) -> Tuple[Dict[str, inspect.Parameter], Optional[
 
 def resolve_section(section: str, raw: Any, cls: type, defaults: Dict[str, Any],
                     foreign: Sequence[str] = ()) -> Dict[str, Any]:
-    """``raw`` checked against ``cls``'s signature and filled with ``defaults``, then its constructor's defaults: an
-    unknown key is a ConfigError naming the nearest one, a value of another type what was expected. ``foreign``:
-    keys of the other architecture, left out."""
+    """``raw`` checked against ``cls``'s signature, filled with ``defaults``, then the constructor's (an unknown key
+    names the nearest one, a value of another type what was expected); ``foreign`` keys (another arch's): left out."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_key(section)}: expected a mapping, got {raw!r}")
     named, extra = constructor_keys(cls)
@@ -89,7 +84,6 @@ def resolve_section(section: str, raw: Any, cls: type, defaults: Dict[str, Any],
 
 
 def choice(section: str, key: str, raw: Any, default: str, allowed: Sequence[str]) -> str:
-    """``raw[key]`` (a section's type or arch) if one of ``allowed``."""
     value = raw.get(key, default) if isinstance(raw, dict) else None
     if value not in allowed:
         raise ConfigError(f"{config_key(f'{section}.{key}')}: expected one of {list(allowed)}, got {value!r}")
@@ -108,7 +102,7 @@ def resolve_model(raw: Any) -> Dict[str, Any]:
     """The ``model`` section: ``arch`` and the encoder's keyword arguments (defaults filled, sizes checked)."""
     arch = choice("model", "arch", raw, "vqvae", ARCHS)
     other = constructor_keys(architecture(ARCHS[1 - ARCHS.index(arch)])[0])[0]
-    model = resolve_section("model", raw, architecture(arch)[0], {**MODEL_DEFAULTS, "arch": arch}, foreign=other)
+    model = resolve_section("model", raw, architecture(arch)[0], {"arch": arch}, foreign=other)
     try:
         check_model_arguments(model)
     except ValueError as err:
@@ -129,8 +123,7 @@ def quantizer_arguments(q: Dict[str, Any], steps: int) -> Dict[str, Any]:
 
 
 def check_quantizer(q: Dict[str, Any], dim: int, steps: int) -> None:
-    """The quantizer's own argument checks, by building it on the meta device (nothing allocated); a peer's are run
-    when it is built (:func:`build_model`)."""
+    """The quantizer's own argument checks, run on the meta device (nothing allocated); a peer's: when built."""
     cls, kwargs = QUANTIZER_TYPES[q["type"]], quantizer_arguments(q, steps)
     if hasattr(cls, "peer"):
         return
@@ -262,9 +255,8 @@ def check_not_prior(raw: Dict[str, Any], where: str) -> None:
 
 
 def migrate_0_2_0(raw: Any) -> Any:
-    """A run config resolved by ddcl-vq 0.2.0 in this version's form; any other as it is. 0.2.0's sections held
-    every quantizer's and both architectures' keys: this keeps those of ``quantizer.type`` and ``model.arch``, moves
-    the peer's section (``quantizer.vqp: {...}``) up into ``quantizer`` and renames ``fsq_levels`` to ``levels``."""
+    """A run config of ddcl-vq 0.2.0 (every type's and arch's keys in one section each) in this version's form: the
+    keys of its quantizer.type and model.arch, a peer's section (quantizer.vqp: {...}) flat, fsq_levels -> levels."""
     if not isinstance(raw, dict) or not all(isinstance(raw.get(s), dict) and all(k in raw[s] for k in keys)
                                             for s, keys in SHAPE_0_2_0.items()):
         return raw
@@ -494,8 +486,7 @@ def build_model(cfg: Config, in_channels: int) -> VQVAE:
     try:  # a peer checks its keyword arguments with TypeError/assert too
         return VQVAE.from_config(config)
     except (ValueError, TypeError, AssertionError) if peer else ValueError as err:
-        what = f"the {cfg.quantizer['type']} quantizer"
-        raise refused("quantizer", list(config["quantizer"]), err, what) from None
+        raise refused("quantizer", list(config["quantizer"]), err, f"the {cfg.quantizer['type']} quantizer") from None
 
 
 def build_optimizer(model: VQVAE, t: TrainConfig, quantizer_type: str = "") -> torch.optim.Optimizer:

@@ -182,11 +182,10 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                           f"encoder/decoder); {str(run_dir)!r} is a {cfg.model['arch']} run: export it with --format "
                           "ddcl-vq")
     if not model.quantizer.assigns_nearest_code:
-        qtype = cfg.quantizer["type"]
         raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row "
-                          f"(diffusers' VQModel encodes by nearest-code search); the {qtype} quantizer's index is not "
-                          f"({NOT_NEAREST.get(qtype, 'another rule')}), so the exported VQModel would encode other "
-                          "codes than the run: export it with --format ddcl-vq")
+                          f"(diffusers' VQModel encodes by nearest-code search); the {cfg.quantizer['type']} "
+                          f"quantizer's index is not ({NOT_NEAREST.get(cfg.quantizer['type'], 'another rule')}), so "
+                          "the exported VQModel would encode other codes than the run: export it with --format ddcl-vq")
     check_out_dir(run_dir, out_dir, overwrite)
     model = model.cpu().eval()
     codes = torch.arange(model.quantizer.num_codes)

@@ -112,8 +112,7 @@ def check_fits(cfg: Config, in_channels: int, device: torch.device, world: int =
     biggest = max(parts.items(), key=lambda item: item[1])
     where = "the GPU has" if device.type == "cuda" else "this machine has"
     per = f" ({world} processes × {_gib(need.total)})" if total != need.total else ""
-    k, d = cfg.quantizer["num_codes"], cfg.model["latent_dim"]
     raise NotEnoughMemory(
         f"this configuration needs at least {_gib(total)} of memory{per}, {where} {_gib(free)} available; most of it "
-        f"{biggest[0]} ({_gib(biggest[1])}, quantizer.num_codes={k:,} × model.latent_dim={d}). Lower "
-        "quantizer.num_codes (or model.latent_dim, data.batch_size)")
+        f"{biggest[0]} ({_gib(biggest[1])}, quantizer.num_codes={cfg.quantizer['num_codes']:,} × model.latent_dim="
+        f"{cfg.model['latent_dim']}). Lower quantizer.num_codes (or model.latent_dim, data.batch_size)")
