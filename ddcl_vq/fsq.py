@@ -43,6 +43,7 @@ class FSQQuantizer(Quantizer):
 
     assigns_nearest_code = False  # the index rounds a projection of the input
     keeps_float64 = False
+    peer = "FSQ"  # the vector_quantize_pytorch class that takes the other keyword arguments
 
     def __init__(self, num_codes: int, dim: int, *, levels: Optional[Sequence[int]] = None, channel_dim: int = 1,
                  **fsq_kwargs: Any):
@@ -55,7 +56,7 @@ class FSQQuantizer(Quantizer):
                          if not 0.5 <= size / num_codes <= 2 else "")
                 warnings.warn(f"FSQ: K = {num_codes} is not in the FSQ paper's table of levels (K = "
                               f"{', '.join(map(str, FSQ_LEVELS))}); using the entry whose grid size is nearest, "
-                              f"{list(chosen)} = {size} codes{ratio}; pass levels (quantizer.fsq_levels in a "
+                              f"{list(chosen)} = {size} codes{ratio}; pass levels (quantizer.levels in a "
                               "config) to choose the grid", stacklevel=2)
             levels = chosen
         levels = list(levels)
@@ -63,7 +64,7 @@ class FSQQuantizer(Quantizer):
         if not levels or any(not isinstance(lv, int) or isinstance(lv, bool) or lv < min_level for lv in levels):
             raise ValueError(f"expected FSQ levels as a non-empty list of ints >= {min_level}, got {levels!r}")
         super().__init__(math.prod(levels), dim, channel_dim)
-        FSQ = peer_class("FSQ", "fsq")
+        FSQ = peer_class(self.peer, "fsq")
         self.requested_codes = num_codes
         self.levels = levels
         self.fsq_kwargs = dict(fsq_kwargs)

@@ -22,6 +22,7 @@ class LFQQuantizer(Quantizer):
     assigns_nearest_code = False  # the index rounds a projection of the input
     term_names = ("entropy_aux",)
     keeps_float64 = False
+    peer = "LFQ"  # the vector_quantize_pytorch class that takes the other keyword arguments
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **lfq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
@@ -31,7 +32,7 @@ class LFQQuantizer(Quantizer):
             if name in lfq_kwargs:
                 raise ValueError(f"expected no {name} option (one index per vector, layout set by channel_dim), "
                                  f"got {name}={lfq_kwargs[name]!r}")
-        LFQ = peer_class("LFQ", "lfq")
+        LFQ = peer_class(self.peer, "lfq")
         self.lfq_kwargs = dict(lfq_kwargs)
         self.lfq = LFQ(dim=dim, codebook_size=num_codes, **lfq_kwargs)
 

@@ -26,11 +26,12 @@ class SimVQQuantizer(Quantizer):
 
     term_names = ("commitment",)
     keeps_float64 = False
+    peer = "SimVQ"  # the vector_quantize_pytorch class that takes the other keyword arguments
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, codebook_bias: bool = False,
                  data_init: bool = False, **simvq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
-        SimVQ = peer_class("SimVQ", "simvq")
+        SimVQ = peer_class(self.peer, "simvq")
         if "channel_first" in simvq_kwargs:
             raise ValueError("expected no channel_first option (the layout is set by channel_dim), got "
                              f"channel_first={simvq_kwargs['channel_first']!r}")

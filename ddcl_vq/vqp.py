@@ -34,10 +34,11 @@ class VQPQuantizer(Quantizer):
     torch.distributed); its loss is ``loss`` and ``terms["commitment"]``."""
 
     term_names = ("commitment",)
+    peer = "VectorQuantize"  # the vector_quantize_pytorch class that takes the other keyword arguments
 
     def __init__(self, num_codes: int, dim: int, *, channel_dim: int = 1, **vq_kwargs: Any):
         super().__init__(num_codes, dim, channel_dim)
-        VectorQuantize = peer_class("VectorQuantize", "vqp")
+        VectorQuantize = peer_class(self.peer, "vqp")
         self.vq_kwargs = dict(vq_kwargs)
         self.vq = VectorQuantize(dim=dim, codebook_size=num_codes, **vq_kwargs)
 

@@ -33,7 +33,7 @@ def main() -> None:
     cfg, model, _, _ = load_run(run)
     q = model.quantizer
     if not hasattr(q, "cluster_usage"):
-        raise SystemExit(f"dead_codes: expected a DDCL run, got quantizer.type={cfg.quantizer.type!r}")
+        raise SystemExit(f"dead_codes: expected a DDCL run, got quantizer.type={cfg.quantizer['type']!r}")
     counts = torch.tensor(json.loads((run / "eval.json").read_text())["usage_counts"])
     dead = counts == 0
     z = _features(model, _images(build_dataset(cfg.data, "test"), args.images), 250)

@@ -25,28 +25,22 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_results import ROOT, fill, update  # noqa: E402 - the marked blocks and --check, as for the results
 
-#: what the model keys are (ModelConfig is made from the Encoder's signature, which has no docstring)
+#: what the model keys are (the encoders have no Args: docstring)
 MODEL_NOTES = {
+    "arch": "`vqvae` (the small model) or `vqgan` (diffusers' encoder/decoder: docs/guide/vqgan.md)",
     "channels": "channels of the small VQ-VAE's encoder and decoder",
     "num_res_blocks": "residual blocks (per resolution in the VQGAN)",
     "num_downsamples": "stride-2 halvings: 32×32 images give 8×8 latents at 2",
     "latent_dim": "D, the codebook's dimension", "res_hidden": "hidden channels of a residual block",
-    "arch": "`vqvae` (the small model) or `vqgan` (diffusers' encoder/decoder: docs/guide/vqgan.md)",
-    "ch": "VQGAN: channels of the first block", "ch_mult": "VQGAN: channel multiplier per resolution",
-    "attn_resolutions": "VQGAN: resolutions whose blocks have attention",
-    "z_channels": "VQGAN: channels of the encoder's output, before the 1×1 conv to D",
-    "norm_groups": "VQGAN: GroupNorm groups",
+    "ch": "channels of the first block", "ch_mult": "channel multiplier per resolution",
+    "attn_resolutions": "resolutions whose blocks have attention",
+    "z_channels": "channels of the encoder's output, before the 1×1 conv to D", "norm_groups": "GroupNorm groups",
 }
-#: quantizer keys that are no quantizer class's constructor argument: (the quantizer types that take it, what it sets)
-QUANTIZER_NOTES = {
-    "type": ("all", "the quantizer"), "num_codes": ("all", "K, the codebook size"),
-    "decay": ("ddcl, ema", "EMA decay of the codebook statistics; `null` = the quantizer's own default (ddcl 0.9, "
-                           "ema 0.99)"),
-    "vqp": ("vqp", "vector-quantize-pytorch `VectorQuantize` keyword arguments, passed as they are"),
-    "fsq_levels": ("fsq", "FSQ's grid, e.g. [8, 6, 5]; `null` = the FSQ paper's levels for num_codes"),
-    "simvq": ("simvq", "SimVQ keyword arguments, plus ours: `codebook_bias`, `data_init`"),
-    "lfq": ("lfq", "LFQ keyword arguments (num_codes a power of 2)"),
-}
+#: the keys the config adds to the quantizer classes' arguments: (default, what it sets)
+QUANTIZER_NOTES = {"type": "the quantizer class (`ddcl_vq.models.vqvae.QUANTIZER_TYPES`)",
+                   "num_codes": "K, the codebook size",
+                   "…": "any keyword argument of the vector-quantize-pytorch class the quantizer wraps "
+                        "(`VectorQuantize`, `FSQ`, `SimVQ`, `LFQ`), as it is"}
 
 
 def cell(text: str) -> str:
@@ -68,10 +62,7 @@ def described(cls: type, key: str) -> str:
 def fields_of(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any, Any, str]]:
     """(dotted key, annotation, default, what it sets: its trailing ``# comment`` or its option's help) for every
     leaf of the dataclass instance ``obj``."""
-    try:
-        source = inspect.getsource(type(obj))
-    except (OSError, TypeError):  # a generated class
-        source = ""
+    source = inspect.getsource(type(obj))
     comments = dict(reversed(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+?)\s*$", source, re.M)))
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
@@ -94,36 +85,47 @@ def yaml_text(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10 ** 6, allow_unicode=True).split("\n...")[0].strip()
 
 
-def table(obj: Any, rules: Any, prefix: str = "", notes: Optional[Dict[str, str]] = None,
-          users: Optional[Dict[str, str]] = None) -> str:
-    """The markdown table of the leaves of dataclass instance ``obj`` (their keys after ``prefix``); ``notes``: what
-    a key sets, instead of its comment; ``users``: the quantizer types that take each key (a column)."""
+def table(obj: Any, rules: Any, prefix: str = "") -> str:
+    """The markdown table of the leaves of dataclass instance ``obj`` (their keys after ``prefix``)."""
     from ddcl_vq.common.config import type_name
     from ddcl_vq.studies.tables import markdown_table
 
-    head = ["key", "type", "default", "allowed"] + (["quantizer types"] if users else []) + ["what it sets"]
+    head = ["key", "type", "default", "allowed", "what it sets"]
     rows = []
     for key, annotation, default, comment in fields_of(obj, prefix):
-        leaf = key.rsplit(".", 1)[-1]
         comment = "" if re.fullmatch(r"\w+( \| \w+)+", comment) else comment  # the allowed values again
-        row = [f"`{key}`", type_name(annotation), f"`{yaml_text(default)}`", allowed(key, rules)]
-        row += [users.get(leaf, "")] if users else []
-        rows.append(dict(zip(head, map(cell, row + [(notes or {}).get(leaf) or comment]))))
+        row = [f"`{key}`", type_name(annotation), f"`{yaml_text(default)}`", allowed(key, rules), comment]
+        rows.append(dict(zip(head, map(cell, row))))
     return markdown_table(rows, [(h, h, "") for h in head])
 
 
-def quantizer_notes() -> Tuple[Dict[str, str], Dict[str, str]]:
-    """(key -> the quantizer types that take it, key -> what it sets) for the quantizer section."""
-    from ddcl_vq.tokenizer.config import QUANTIZER_CLASSES, quantizer_keys
+def section_table(section: str, notes: Dict[str, str], column: str) -> str:
+    """The keys of the model or quantizer section: every arch's or type's (as resolved: the defaults filled), which
+    take each (``column``), a default that differs between them per arch or type."""
+    from ddcl_vq.common.config import type_name
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES, architecture
+    from ddcl_vq.studies.tables import markdown_table
+    from ddcl_vq.tokenizer import config
 
-    users: Dict[str, list] = {}
-    notes = {key: text for key, (_, text) in QUANTIZER_NOTES.items()}
-    for qtype, cls in QUANTIZER_CLASSES.items():
-        for key in quantizer_keys(qtype):
-            users.setdefault(key, []).append(qtype)
-            notes[key] = notes.get(key) or described(cls, key)
-    types = {key: ", ".join(names) for key, names in users.items()}
-    return {**types, **{key: names for key, (names, _) in QUANTIZER_NOTES.items()}}, notes
+    by, classes, resolve = (("arch", {a: architecture(a)[0] for a in config.ARCHS}, config.resolve_model)
+                            if section == "model" else ("type", QUANTIZER_TYPES, config.resolve_quantizer))
+    rows: Dict[str, Dict[str, Any]] = {}
+    for label, cls in classes.items():
+        hints, peer = typing.get_type_hints(cls.__init__), config.constructor_keys(cls)[1] != []
+        for key, value in {**resolve({by: label}), **({"…": ""} if peer else {})}.items():
+            row = rows.setdefault(key, {"type": type_name(hints.get(key, type(value))) if value != "" else "",
+                                        "defaults": {}, "text": notes.get(key) or described(cls, key)})
+            row["defaults"][label] = value
+    head = ["key", "type", "default", column, "what it sets"]  # the allowed values: the classes' own checks
+    out = []
+    for key, row in rows.items():
+        values, first = row["defaults"], list(row["defaults"].values())[0]
+        default = (f"`{yaml_text(first)}`" if all(v == first for v in values.values()) or key in ("type", "arch")
+                   else ", ".join(f"{label} `{yaml_text(v)}`" for label, v in values.items()))
+        users = "all" if len(values) == len(classes) else ", ".join(values)
+        out.append(dict(zip(head, map(cell, [f"`{section}.{key}`", row["type"], "" if key == "…" else default, users,
+                                            row["text"]]))))
+    return markdown_table(out, [(h, h, "") for h in head])
 
 
 def config_blocks() -> Dict[str, str]:
@@ -132,11 +134,11 @@ def config_blocks() -> Dict[str, str]:
     from ddcl_vq.studies import prior_study, study
     from ddcl_vq.tokenizer import config
 
-    users, notes = quantizer_notes()
-    extra = {"model": (MODEL_NOTES, None), "quantizer": (notes, users)}
     cfg, pcfg, rules = config.Config(), prior.PriorConfig(), study.STUDY_RULES
-    blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.", *extra.get(name, ()))
-              for name in cfg.to_dict()}
+    blocks = {f"train.{name}": table(getattr(cfg, name), config.RULES, f"{name}.") for name in cfg.to_dict()
+              if name not in ("model", "quantizer")}
+    blocks.update({f"train.{s}": section_table(s, notes, column) for s, notes, column in (
+        ("model", MODEL_NOTES, "model.arch"), ("quantizer", QUANTIZER_NOTES, "quantizer types"))})
     blocks.update({f"prior.{name}": table(getattr(pcfg, name), prior.RULES, f"{name}.") for name in pcfg.to_dict()})
     return {**blocks, "study": table(study.StudyFile(), rules), "arms": table(study.ArmSpec(), rules),
             "parts": table(study.Part(), rules), "prior_study": table(prior_study.PriorStudyFile(), prior_study.RULES)}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ddcl_vq import CodebookUsage
-from ddcl_vq.tokenizer.builders import build_model, build_optimizer
+from ddcl_vq.tokenizer.config import build_model, build_optimizer
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import EpochBatches, build_dataset
 from ddcl_vq.common.skeleton import teardown_distributed

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ddcl_vq.tokenizer.builders import build_model, build_optimizer
+from ddcl_vq.tokenizer.config import build_model, build_optimizer
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import EpochBatches, build_dataset
 from ddcl_vq.common.skeleton import teardown_distributed
@@ -17,8 +17,8 @@ from conftest import TINY_MODEL
 
 TINY = TINY_MODEL + ["data.batch_size=32"]
 ARMS = {"fsq": ["quantizer.type=fsq", "quantizer.num_codes=256"],
-        "simvq": ["quantizer.type=simvq", "quantizer.num_codes=64", "quantizer.simvq.codebook_bias=true",
-                  "quantizer.simvq.data_init=true", "quantizer.simvq.rotation_trick=false"],
+        "simvq": ["quantizer.type=simvq", "quantizer.num_codes=64", "quantizer.codebook_bias=true",
+                  "quantizer.data_init=true", "quantizer.rotation_trick=false"],
         "lfq": ["quantizer.type=lfq", "quantizer.num_codes=64"]}
 
 

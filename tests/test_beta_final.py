@@ -44,6 +44,6 @@ def test_bad_beta_final_is_refused_and_configs_carry_it():
     with pytest.raises(ValueError, match="beta_final >= 0 or None"):
         DDCLQuantizer(16, 4, beta_final=-1.0)
     cfg = Config.from_dict({"quantizer": {"beta_final": 1.0}})
-    assert Config.from_dict(cfg.to_dict()).quantizer.beta_final == 1.0
+    assert Config.from_dict(cfg.to_dict()).quantizer["beta_final"] == 1.0
     assert "beta=0.25->1" in repr(DDCLQuantizer(16, 4))
     assert "beta=0.25," in repr(DDCLQuantizer(16, 4, beta_final=None))

@@ -196,7 +196,7 @@ def _compile_check(device):
     import warnings
 
     import torch._dynamo
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     from ddcl_vq.tokenizer.config import load_config
     torch._dynamo.reset()
     x = torch.rand(16, 1, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)

@@ -36,11 +36,12 @@ def make(num_codes=16, dim=8, dtype=torch.float64, seed=0, **kw):
 def check_identity(z, w, tau, rel):
     a = assign(z, w, tau * z.shape[1])
     lq, ols, var = a.distortion.item(), a.ols.item(), a.variance.item()
-    assert var >= 0
     assert abs(lq - (ols + var)) <= rel * max(abs(lq), 1e-300), (lq, ols, var)
-    # and against the definitions computed independently
+    # and against the definitions computed independently (V: the q-weighted spread of the codes around ẑ)
     d, q = reference(z, w, tau)
     soft = q @ w
+    spread = (q * (w[None] - soft[:, None]).pow(2).sum(-1)).sum(1).mean()
+    assert torch.allclose(a.variance, spread, rtol=max(rel, 1e-12) * 10, atol=1e-6 * lq), (var, spread.item())
     assert torch.allclose(a.distortion, (q * d).sum(1).mean(), rtol=max(rel, 1e-12) * 10)
     assert torch.allclose(a.ols, (z - soft).pow(2).sum(1).mean(), rtol=1e-4, atol=1e-6 * lq)
     v = (q * (w[None] - soft[:, None]).pow(2).sum(-1)).sum(1).mean()
@@ -76,7 +77,13 @@ def test_reported_terms_obey_identity_in_every_mode(mode):
     out = quant(torch.randn(4, 8, 5, 5, dtype=torch.float64))
     t = out.terms
     assert abs(t["distortion"] - t["ols"] - t["variance"]) <= 1e-10 * t["distortion"]
-    assert t["variance"] >= 0
+    # V against its definition, from the same z and q (eval mode: the divisor is τ·D)
+    z = torch.randn(4, 8, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    t = quant(z).terms
+    d, q = reference(z.permute(0, 2, 3, 1).reshape(-1, 8), quant.codebook, 0.05)
+    soft = q @ quant.codebook
+    assert torch.allclose(t["variance"], (q * (quant.codebook[None] - soft[:, None]).pow(2).sum(-1)).sum(1).mean(),
+                          rtol=1e-10)
 
 
 def test_indices_are_argmin_and_soft_output_is_qW():

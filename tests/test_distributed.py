@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddcl_vq import CodebookUsage
-from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import build_model
 from ddcl_vq.common.checkpoint import load_checkpoint
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import build_dataset

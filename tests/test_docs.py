@@ -206,10 +206,14 @@ NOT_KEYS = {"train.py", "train.lock", "model.safetensors", "model._vq_vae", "qua
 
 def test_named_config_keys_exist():
     """Every training-config key a page names (`section.key` in prose backticks, or `section.key=value`
-    after a command; `ddcl-vq prior` lines take prior keys) is a key of the training config."""
-    from ddcl_vq.tokenizer.config import all_keys
+    after a command; `ddcl-vq prior` lines take prior keys) is a key of the training config: of its model.arch
+    or quantizer.type (a peer's: its vector-quantize-pytorch class's keyword arguments)."""
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
+    from ddcl_vq.tokenizer.config import all_keys, constructor_keys, resolve_model, resolve_quantizer
 
-    keys, checked = set(all_keys()), 0
+    keys, checked = set(all_keys()) | {f"model.{k}" for k in resolve_model({"arch": "vqgan"})}, 0
+    for qtype, cls in QUANTIZER_TYPES.items():
+        keys |= {f"quantizer.{k}" for k in [*resolve_quantizer({"type": qtype}), *(constructor_keys(cls)[1] or [])]}
     for page in CURRENT:
         if page in GENERATED:
             continue  # config.md holds the prior's keys too; it is the code's own list (test below)

@@ -344,7 +344,7 @@ def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
     names = [a.name for a in util.arms]
     assert len(set(names)) == len(names) >= 12 and "vqp_kmeans_expiry_k4096" in names  # arm x sweep point, each once
     vqp = next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config
-    assert vqp.quantizer.vqp == {"kmeans_init": True, "threshold_ema_dead_code": 2}
+    assert vqp.quantizer == {"type": "vqp", "num_codes": 1024, "kmeans_init": True, "threshold_ema_dead_code": 2}
     dyn = load_study(ROOT / "configs" / "study_dynamics.yaml", quick=True)
     assert {a.config.train.codebook_lr_ratio for a in dyn.arms} == {0.1, 1.0, 10.0}
     assert all(a.config.train.steps == 4 for a in dyn.arms) and dyn.out.name.endswith("_quick")
@@ -361,12 +361,13 @@ def test_study_configs_validate_and_errors_name_the_arm(tmp_path):
 
 
 def test_settings_text_of_an_ema_run_without_a_decay_names_emavqs_own_default():
-    """quantizer.decay null means "the quantizer's own default"; the tables say which (it crashed before)."""
+    """An ema run without a decay has EMAVQ's own default in its config (each quantizer's section holds its own
+    defaults); the tables say it."""
     from ddcl_vq.studies.tables import settings_text
     from ddcl_vq.tokenizer.config import Config
 
     ema = Config.from_dict({"quantizer": {"type": "ema"}})
-    assert ema.quantizer.decay is None
+    assert ema.quantizer["decay"] == 0.99
     assert settings_text(ema) == "decay=0.99, no restart"
     restart = Config.from_dict({"quantizer": {"type": "ema", "decay": 0.9, "dead_code_threshold": 0.1}})
     assert settings_text(restart) == "decay=0.9, dead-code restart<0.1"

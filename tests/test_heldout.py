@@ -145,17 +145,17 @@ def test_heldout_study_config_lists_every_part_and_arm():
     assert len(study.arms) == 4 * len(arms) * 3
     assert [a.name for a in study.arms[:len(arms)]] == [f"photos_a_{a}_s0" for a in arms]
     assert {a.group for a in study.arms} == {f"{p.name}_{a}" for p in study.parts for a in arms}
-    types = {a.config.quantizer.type for a in study.arms}
+    types = {a.config.quantizer["type"] for a in study.arms}
     assert types == {"ddcl", "hard", "ema", "vqp", "fsq", "simvq"}
-    ddcl = [a.config.quantizer for a in study.arms if a.config.quantizer.type == "ddcl"]
+    ddcl = [a.config.quantizer for a in study.arms if a.config.quantizer["type"] == "ddcl"]
     defaults = load_config(None).quantizer
-    assert all(q == defaults.__class__(num_codes=q.num_codes) for q in ddcl)  # the library defaults
+    assert all(q == {**defaults, "num_codes": q["num_codes"]} for q in ddcl)  # the library defaults
     photos = [p for p in study.parts if p.name.startswith("photos_")]
     assert len(photos) >= 3
     splits = set()
     for part in photos:
         cfgs = [a.config for a in study.arms if a.part == part.name]
-        assert {c.data.name for c in cfgs} == {"natural_patches"} and {c.quantizer.num_codes for c in cfgs} == {512}
+        assert {c.data.name for c in cfgs} == {"natural_patches"} and {c.quantizer["num_codes"] for c in cfgs} == {512}
         train_photos, test_photos = cfgs[0].data.train_photos, cfgs[0].data.test_photos
         assert 2 <= len(train_photos) <= 3 and len(test_photos) == 1 and test_photos[0] not in train_photos
         assert all((c.data.train_photos, c.data.test_photos) == (train_photos, test_photos) for c in cfgs)
@@ -164,10 +164,11 @@ def test_heldout_study_config_lists_every_part_and_arm():
     cross = next(p for p in study.parts if p.name == "fashion_to_digits")
     assert cross.eval_overrides == ["data.name=digits"]
     cfgs = [a.config for a in study.arms if a.part == cross.name]
-    assert {c.data.name for c in cfgs} == {"fashion_mnist"} and {c.quantizer.num_codes for c in cfgs} == {1024}
-    vqp = {a.group: a.config.quantizer.vqp for a in study.arms if a.config.quantizer.type == "vqp"}
-    assert vqp["photos_a_vqp_kmeans_expiry"] == {"kmeans_init": True, "threshold_ema_dead_code": 2}
-    assert vqp["photos_a_vqp_default"] == {}
+    assert {c.data.name for c in cfgs} == {"fashion_mnist"} and {c.quantizer["num_codes"] for c in cfgs} == {1024}
+    vqp = {a.group: a.config.quantizer for a in study.arms if a.config.quantizer["type"] == "vqp"}
+    assert vqp["photos_a_vqp_kmeans_expiry"] == {"type": "vqp", "num_codes": 512, "kmeans_init": True,
+                                                 "threshold_ema_dead_code": 2}
+    assert vqp["photos_a_vqp_default"] == {"type": "vqp", "num_codes": 512}
     assert {a.vs for a in study.arms if a.part == "photos_b"} == {None, "photos_b_ddcl"}
 
 

@@ -145,7 +145,7 @@ def test_user_models_package_and_train_py_do_not_collide(user_project):
     assert (run / "checkpoints" / "last.pt").is_file()
     code = ("import sys\n"
             "from ddcl_vq.models import VQVAE, Encoder, Decoder\n"
-            "import ddcl_vq.tokenizer.builders, ddcl_vq.cli\n"
+            "import ddcl_vq.tokenizer.config, ddcl_vq.cli\n"
             "assert not {'models', 'train', 'eval'} & set(sys.modules), sorted(sys.modules)\n"
             "try:\n"
             "    import models\n"

@@ -5,7 +5,7 @@
 - FSQ: the FSQ paper's levels for K, the closest entry (with a warning) for another K, usage
   counted against the grid's real size prod(levels);
 - state_dict round trip (SimVQ's frozen codebook included);
-- config keys (quantizer.type fsq/simvq/lfq, quantizer.fsq_levels, quantizer.simvq.*);
+- config keys (quantizer.type fsq/simvq/lfq, quantizer.levels, the peer's keywords flat under quantizer);
 - a tiny run end to end: train 6 steps -> evaluate -> export -> tokenize -> decode.
 """
 import json
@@ -194,34 +194,36 @@ def test_fsq_without_a_table_entry_warns_once_in_one_clear_line(tmp_path):
     err = [line for line in done.stderr.splitlines() if line.strip()]
     assert err == ["ddcl-vq train: warning: FSQ: K = 7 is not in the FSQ paper's table of levels (K = 256, 1024, "
                    "4096, 16384, 65536); using the entry whose grid size is nearest, [8, 6, 5] = 240 codes (34.3x "
-                   "the 7 asked for); pass levels (quantizer.fsq_levels in a config) to choose the grid"], err
+                   "the 7 asked for); pass levels (quantizer.levels in a config) to choose the grid"], err
     with pytest.warns(UserWarning, match="K = 300 is not in the FSQ paper's table") as caught:
         FSQQuantizer(300, 8)  # 240 codes, within 2x of K: no ratio; the library still warns as Python does
     assert "asked for" not in str(caught[0].message) and "[8, 6, 5] = 240 codes;" in str(caught[0].message)
 
 
 def test_config_keys_build_the_peers():
-    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
-    from ddcl_vq.tokenizer.config import ConfigError, load_config
+    from ddcl_vq.tokenizer.config import ConfigError, build_model, load_config
 
-    cfg = load_config(None, ["quantizer.type=fsq", "quantizer.num_codes=256"])
-    q = build_quantizer(cfg.quantizer, 8)
+    def built(*overrides):
+        return build_model(load_config(None, TINY_MODEL + list(overrides)), 1).quantizer
+
+    q = built("quantizer.type=fsq", "quantizer.num_codes=256")
     assert isinstance(q, FSQQuantizer) and q.levels == [8, 6, 5] and q.num_codes == 240
-    cfg = load_config(None, ["quantizer.type=fsq", "quantizer.fsq_levels=[5,5,5]"])
-    assert build_quantizer(cfg.quantizer, 8).num_codes == 125
-    assert quantizer_kwargs(cfg.quantizer, 8)["levels"] == [5, 5, 5]
-    cfg = load_config(None, ["quantizer.type=simvq", "quantizer.num_codes=64",
-                             "quantizer.simvq.rotation_trick=false", "quantizer.simvq.codebook_bias=true"])
-    q = build_quantizer(cfg.quantizer, 8)
+    cfg = load_config(None, ["quantizer.type=fsq", "quantizer.levels=[5,5,5]"])
+    assert cfg.quantizer == {"type": "fsq", "num_codes": 512, "levels": [5, 5, 5]}
+    assert built("quantizer.type=fsq", "quantizer.levels=[5,5,5]").num_codes == 125
+    q = built("quantizer.type=simvq", "quantizer.num_codes=64", "quantizer.rotation_trick=false",
+              "quantizer.codebook_bias=true")
     assert isinstance(q, SimVQQuantizer) and not q.vq.rotation_trick and q.codebook_bias
-    assert isinstance(build_quantizer(load_config(None, ["quantizer.type=lfq", "quantizer.num_codes=64"]).quantizer, 8),
-                      LFQQuantizer)
-    with pytest.raises(ConfigError, match="quantizer.simvq.rotation_trick"):
-        build_quantizer(load_config(None, ["quantizer.type=simvq", "quantizer.simvq.rotation_trik=false"]).quantizer, 8)
-    with pytest.raises(ConfigError, match="only used with quantizer.type 'fsq'"):
-        load_config(None, ["quantizer.type=ddcl", "quantizer.fsq_levels=[5,5,5]"])
+    assert isinstance(built("quantizer.type=lfq", "quantizer.num_codes=64"), LFQQuantizer)
+    with pytest.raises(ConfigError, match=r"unknown config key 'quantizer.rotation_trik'; did you mean "
+                                          r"'quantizer.rotation_trick'\?"):
+        load_config(None, ["quantizer.type=simvq", "quantizer.rotation_trik=false"])
+    with pytest.raises(ConfigError, match="0.2.0's quantizer.fsq_levels is now quantizer.levels"):
+        load_config(None, ["quantizer.type=fsq", "quantizer.fsq_levels=[5,5,5]"])
+    with pytest.raises(ConfigError, match="unknown config key 'quantizer.levels'"):  # FSQ's, not DDCL's
+        load_config(None, ["quantizer.type=ddcl", "quantizer.levels=[5,5,5]"])
     with pytest.raises(ConfigError, match="power of 2"):
-        build_quantizer(load_config(None, ["quantizer.type=lfq", "quantizer.num_codes=1000"]).quantizer, 8)
+        built("quantizer.type=lfq", "quantizer.num_codes=1000")
 
 
 TINY = TINY_MODEL + ["data.batch_size=32", "train.steps=6", "train.log_every=2", "train.checkpoint_every=3",
@@ -254,7 +256,7 @@ def test_tiny_run_end_to_end(qtype, k, tmp_path, capsys):
     out = _cli("export", str(run), str(tmp_path / "exported"), capsys=capsys)
     assert "bit for bit" in out
     config = json.loads((tmp_path / "exported" / "config.json").read_text())
-    assert config["quantizer_type"] == qtype
+    assert config["quantizer"]["type"] == qtype
     _cli("tokenize", str(run), "--split", "test", "--out", str(tmp_path / "t.npy"), "--max-images", "40", capsys=capsys)
     tokens = np.load(tmp_path / "t.npy")
     assert tokens.shape == (40, 8, 8) and int(tokens.max()) < grid

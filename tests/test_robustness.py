@@ -320,10 +320,15 @@ CASES = {
     "image size 7": (lambda d: TRAIN + ["data.image_size=7"], "'data.image_size': expected a multiple of 4"),
     "fp16 on the CPU": (lambda d: TRAIN + ["train.amp=fp16", "train.device=cpu", f"run.dir={d['tmp'] / 'r'}"],
                         "'train.amp': fp16 needs a CUDA device"),
-    "vqp unknown keyword": (lambda d: TRAIN + ["--config", "configs/fashion_vqp.yaml", "quantizer.vqp.decayy=0.9",
+    "vqp unknown keyword": (lambda d: TRAIN + ["--config", "configs/fashion_vqp.yaml", "quantizer.decayy=0.9",
                                                f"run.dir={d['tmp'] / 'r'}"],
-                            "unknown config key 'quantizer.vqp.decayy' (not a keyword argument of "
-                            "vector_quantize_pytorch.VectorQuantize); did you mean 'quantizer.vqp.decay'?"),
+                            "unknown config key 'quantizer.decayy'; did you mean 'quantizer.decay'?"),
+    "0.2.0's peer section": (lambda d: TRAIN + ["--config", "configs/fashion_vqp.yaml", "quantizer.vqp.decay=0.9"],
+                             "unknown config key 'quantizer.vqp.decay'; 0.2.0's quantizer.vqp section is gone: its "
+                             "keys go straight under quantizer"),
+    "a key another quantizer takes": (lambda d: TRAIN + ["quantizer.type=hard", "quantizer.temperature=0.1"],
+                                      "unknown config key 'quantizer.temperature'; no key is close; the keys of "
+                                      "'quantizer' are type, num_codes, beta, distance, kmeans_init"),
     "infinite temperature": (lambda d: TRAIN + ["quantizer.temperature=.inf"],
                              "'quantizer.temperature': expected a finite number, got inf"),
     "dataset smaller than a batch": (lambda d: TRAIN + ["data.name=image_folder", f"data.root={d['few']}",

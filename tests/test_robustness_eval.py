@@ -192,13 +192,23 @@ def _edit(section, key, value):
 
 def _weights_of_another_model(folder: Path):
     config = json.loads((folder / "config.json").read_text())
-    for part in ("encoder_kwargs", "decoder_kwargs"):
-        config[part]["channels"] = 32
-    other = VQVAE.from_config({k: config[k] for k in ("encoder_kwargs", "decoder_kwargs", "quantizer_type",
-                                                      "quantizer_kwargs")})
+    config["model"]["channels"] = 32
+    other = VQVAE.from_config({k: config[k] for k in ("model", "quantizer")})
     other.save_pretrained(folder / "other")
     shutil.move(folder / "other" / "model.safetensors", folder / "model.safetensors")
     shutil.rmtree(folder / "other")
+
+
+def _as_0_2_0(folder: Path, **sizes):
+    """config.json as ddcl-vq 0.2.0 wrote it (encoder_kwargs, decoder_kwargs, quantizer_type, quantizer_kwargs)."""
+    config = json.loads((folder / "config.json").read_text())
+    model, q = config.pop("model"), config.pop("quantizer")
+    arch, channels = model.pop("arch"), model.pop("in_channels")
+    model.update(sizes)
+    config.update(arch=arch, encoder_kwargs={"in_channels": channels, **model},
+                  decoder_kwargs={"out_channels": channels, **model}, quantizer_type=q.pop("type"),
+                  quantizer_kwargs={**q, "dim": model["latent_dim"]})
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _truncate(keep: int):
@@ -209,14 +219,16 @@ def _truncate(keep: int):
 
 
 TAMPERED = {
-    "num_codes changed": (_edit("quantizer_kwargs", "num_codes", 16), "do not fit the model config.json describes"),
-    "in_channels changed": (_edit("encoder_kwargs", "in_channels", 3), "size mismatch for encoder"),
+    "num_codes changed": (_edit("quantizer", "num_codes", 16), "do not fit the model config.json describes"),
+    "in_channels changed": (_edit("model", "in_channels", 3), "size mismatch for encoder"),
     "weights of another model": (_weights_of_another_model, "do not fit the model config.json describes"),
     "config.json a JSON list": (lambda f: (f / "config.json").write_text("[1, 2, 3]"), "got a JSON list"),
     "config.json not JSON": (lambda f: (f / "config.json").write_text("{oops"), "to hold JSON"),
-    "num_codes=1e12 (float)": (_edit("quantizer_kwargs", "num_codes", 1e12), "to be a positive integer, got 1000000000000.0"),
-    "num_codes=10**12": (_edit("quantizer_kwargs", "num_codes", 10**12), "(a 32.0 TB codebook) but"),
-    "channels=10**9": (_edit("decoder_kwargs", "channels", 10**9), "decoder_kwargs.channels"),
+    "num_codes=1e12 (float)": (_edit("quantizer", "num_codes", 1e12), "to be a positive integer, got 1000000000000.0"),
+    "num_codes=10**12": (_edit("quantizer", "num_codes", 10**12), "(a 32.0 TB codebook) but"),
+    "channels=10**9": (_edit("model", "channels", 10**9), "model.channels"),
+    # the 0.2.0 form of config.json is read (migrated); a tampered size in it is refused all the same
+    "0.2.0 config.json, channels=10**9": (lambda f: _as_0_2_0(f, channels=10 ** 9), "model.channels"),
     "weights cut in the tensors": (_truncate(30_000), "is truncated: its header lists"),
     "weights cut in the header": (_truncate(100), "it is truncated or not safetensors"),
     # issue 51: a NaN in the quantizer's schedule was "weights do not fit"; a float16 re-save loaded silently

@@ -342,7 +342,7 @@ def test_a_configuration_the_machine_cannot_hold_is_refused_with_the_figure(conf
 
 
 def test_memory_estimate_counts_the_real_model(tmp_path):
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     cfg = load_config(ROOT / "configs/fashion_ddcl.yaml", TINY + ["quantizer.type=hard"])  # a codebook in training
     model = build_model(cfg, 1)
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -407,7 +407,7 @@ def test_failed_runs_leave_no_empty_run_directory(tmp_path, capsys):
 def test_unknown_key_suggests_only_a_close_key(capsys):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs/fashion_ddcl.yaml", ["model.foo=1"])
-    assert "did you mean" not in str(err.value) and "the keys of 'model' are channels" in str(err.value)
+    assert "did you mean" not in str(err.value) and "the keys of 'model' are arch, channels" in str(err.value)
     with pytest.raises(ConfigError, match=r"did you mean 'model.channels'\?"):
         load_config(ROOT / "configs/fashion_ddcl.yaml", ["model.chanels=1"])
     with pytest.raises(ConfigError, match=r"did you mean 'quantizer.temperature'\?"):

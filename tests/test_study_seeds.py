@@ -20,8 +20,8 @@ ABLATION = ROOT / "configs" / "study_ablation.yaml"
 
 
 def _diff(a: Config, b: Config):
-    a, b = a.to_dict(), b.to_dict()
-    return {f"{s}.{k}": (a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]}
+    a, b = a.to_dict(), b.to_dict()  # a key only one has (another quantizer's): None in the other
+    return {f"{s}.{k}": (a[s].get(k), b[s].get(k)) for s in a for k in {**a[s], **b[s]} if a[s].get(k) != b[s].get(k)}
 
 
 # --------------------------------------------------------------------------- the two configs
@@ -32,7 +32,7 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
     assert [a.name for a in study.arms[:6]] == ["ddcl_k1024_s0", "hard_k1024_s0", "ema_restart_k1024_s0",
                                                 "vqp_default_k1024_s0", "vqp_kmeans_expiry_k1024_s0", "fsq_k1024_s0"]
     assert {a.config.run.seed for a in study.arms} == {0, 1, 2}
-    assert {a.config.quantizer.num_codes for a in study.arms} == {256, 1024, 4096}
+    assert {a.config.quantizer["num_codes"] for a in study.arms} == {256, 1024, 4096}
     assert study.eval.max_images == 0 and study.eval.split == "test"  # the full test split
     # the default model and budget, and each baseline as its configs/fashion_*.yaml means it
     by_group = {a.group: a.config for a in study.arms if a.seed == 0}
@@ -40,37 +40,38 @@ def test_headline_config_validates_and_matches_the_baseline_configs():
                              ("ema_restart_k1024", "fashion_ema"), ("vqp_default_k1024", "fashion_vqp")]:
         diff = _diff(by_group[group], load_config(ROOT / "configs" / f"{reference}.yaml"))
         assert set(diff) == {"run.name", "run.dir", "quantizer.num_codes", "train.eval_images"}, (group, diff)
-    expiry = by_group["vqp_kmeans_expiry_k1024"].quantizer.vqp
+    expiry = by_group["vqp_kmeans_expiry_k1024"].quantizer
     util = load_study(ROOT / "configs" / "study_utilization.yaml")
-    assert expiry == next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config.quantizer.vqp
-    assert by_group["ddcl_k1024"].quantizer == Config().quantizer.__class__(num_codes=1024)  # library defaults
+    assert expiry == next(a for a in util.arms if a.name == "vqp_kmeans_expiry_k1024").config.quantizer
+    assert expiry == {"type": "vqp", "num_codes": 1024, "kmeans_init": True, "threshold_ema_dead_code": 2}
+    assert by_group["ddcl_k1024"].quantizer == {**Config().quantizer, "num_codes": 1024}  # library defaults
     # the two FSQ arms differ only in the projections' learning rate (the model's, or the codebooks' 3x)
     assert _diff(by_group["fsq_k1024"], by_group["fsq_lr3x_k1024"]).keys() == {"run.name", "run.dir",
                                                                                "train.codebook_lr_ratio"}
     assert by_group["fsq_lr3x_k1024"].train.codebook_lr_ratio == 3.0
     # the two fair SimVQ arms differ only in the encoder gradient (rotation trick, or plain straight-through)
     assert _diff(by_group["simvq_fair_k1024"], by_group["simvq_fair_no_rotation_k1024"]).keys() == {
-        "run.name", "run.dir", "quantizer.simvq"}
-    assert by_group["simvq_fair_no_rotation_k1024"].quantizer.simvq == {
-        **by_group["simvq_fair_k1024"].quantizer.simvq, "rotation_trick": False}
+        "run.name", "run.dir", "quantizer.rotation_trick"}
+    assert by_group["simvq_fair_no_rotation_k1024"].quantizer == {
+        **by_group["simvq_fair_k1024"].quantizer, "rotation_trick": False}
 
 
 def test_ablation_config_validates_chain_ends_at_the_defaults():
     study = load_study(ABLATION)
     assert study.seeds == [0] and len(study.arms) == 7
-    assert all(a.name == a.group + "_s0" and a.config.quantizer.num_codes == 1024 for a in study.arms)
+    assert all(a.name == a.group + "_s0" and a.config.quantizer["num_codes"] == 1024 for a in study.arms)
     cfg = {a.group: a.config for a in study.arms}
     steps = [(cfg["e_revival"], cfg["d_data_temperature"]), (cfg["f_warmup"], cfg["e_revival"]),
              (cfg["g_sharp_mstep"], cfg["f_warmup"]), (cfg["h_commitment_ramp"], cfg["g_sharp_mstep"])]
     changed = [set(_diff(new, old)) - {"run.name", "run.dir"} for new, old in steps]
     assert changed == [{"quantizer.revive_threshold"}, {"quantizer.warmup_steps"}, {"quantizer.temperature"},
                        {"quantizer.beta_final"}]
-    assert cfg["f_warmup"].quantizer.temperature == 0.1 and cfg["g_sharp_mstep"].quantizer.temperature == 0.03
+    assert cfg["f_warmup"].quantizer["temperature"] == 0.1 and cfg["g_sharp_mstep"].quantizer["temperature"] == 0.03
     default = Config.from_dict({"quantizer": {"num_codes": 1024}, "train": {"eval_images": 0}})
     base = load_config(ROOT / "configs" / "fashion_ddcl.yaml", ["quantizer.num_codes=1024", "train.eval_images=0"])
     assert set(_diff(cfg["h_commitment_ramp"], base)) == {"run.name", "run.dir"}  # h = the library default
     assert _diff(cfg["h_commitment_ramp"], default).keys() <= {"run.name", "run.dir"}
-    assert cfg["g_sharp_mstep"].quantizer.beta_final is None and cfg["h_commitment_ramp"].quantizer.beta_final == 1.0
+    assert cfg["g_sharp_mstep"].quantizer["beta_final"] is None and cfg["h_commitment_ramp"].quantizer["beta_final"] == 1.0
     alts = {g: set(_diff(cfg[g], cfg["g_sharp_mstep"])) - {"run.name", "run.dir"} for g in cfg if g.startswith("alt_")}
     assert alts == {"alt_decay_099": {"quantizer.decay"},
                     "alt_anneal": {"quantizer.temperature", "quantizer.temperature_schedule",
@@ -227,9 +228,9 @@ def test_large_k_config_runs_what_the_issue_asks():
         assert {f"{arm}_k{k}_s{s}" for arm in ("ddcl", "simvq_fair", "vqp_kmeans_expiry", "fvq")
                 for s in (0, 1, 2)} <= names
         assert {f"{arm}_k{k}_s0" for arm in ("hard", "ema_restart", "ibq", "fsq")} <= names
-    assert {a.name for a in study.arms if a.config.quantizer.num_codes == 262144} == \
+    assert {a.name for a in study.arms if a.config.quantizer["num_codes"] == 262144} == \
         {"ddcl_k262144_s0", "simvq_fair_k262144_s0", "ibq_k262144_s0", "fvq_k262144_s0"}
-    fvq = [a.config for a in study.arms if a.config.quantizer.type == "fvq"]
+    fvq = [a.config for a in study.arms if a.config.quantizer["type"] == "fvq"]
     assert {(c.train.lr_schedule, c.train.codebook_lr_ratio) for c in fvq} == {("anneal", 1.0)}
     assert len(study.arms) == 36 and study.eval.max_images == 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from ddcl_vq import cli
 from ddcl_vq.tokenizer.evaluate import load_run
@@ -23,7 +24,6 @@ from ddcl_vq.tokenizer.export import export_run
 from ddcl_vq.tokenizer.tokens import index_dtype, read_tokens
 from ddcl_vq.tokenizer.tokens import tokenize_run
 from ddcl_vq.models import VQVAE
-from ddcl_vq.tokenizer.builders import quantizer_kwargs
 from ddcl_vq.tokenizer.config import load_config
 from ddcl_vq.common.data import build_dataset
 from ddcl_vq.tokenizer.train import train
@@ -96,9 +96,12 @@ def test_export_then_from_pretrained_reproduces_the_run_bit_for_bit(runs, images
         (run_model.quantizer.temperature, "cosine", 6)
 
     config = json.loads((out / "config.json").read_text())
-    # the constructor arguments are the run's resolved config, as ddcl_vq/tokenizer/builders.py maps it
-    assert config["quantizer_kwargs"] == quantizer_kwargs(cfg.quantizer, cfg.model.latent_dim, cfg.train.steps)
-    assert config["quantizer_kwargs"]["decay"] == 0.8 and config["quantizer_kwargs"]["revive_threshold"] == 0.05
+    # one schema (issue 58): config.json's sections are the run's config.yaml sections as they are, plus what the
+    # data (the image channels) and train.steps (the schedules' length) fix
+    saved = yaml.safe_load((runs["ddcl"] / "config.yaml").read_text())
+    assert config["model"] == {**saved["model"], "in_channels": 1}
+    assert config["quantizer"] == {**saved["quantizer"], "schedule_steps": saved["train"]["steps"]}
+    assert config["quantizer"]["decay"] == 0.8 and config["quantizer"]["revive_threshold"] == 0.05
     assert config["quantizer_state"]["schedule_step"] == 6
     assert config["quantizer_state"]["temperature"] == pytest.approx(run_model.quantizer.temperature)
     assert config["source"]["step"] == step == 6 and config["data"]["image_size"] == 32
@@ -371,7 +374,7 @@ def test_tokenize_reads_an_exported_folder_and_a_hub_id_as_decode_does(runs, exp
 
 
 def test_init_from_starts_a_new_run_from_an_export_and_refuses_another_shape(exported, tmp_path, capsys):
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     from ddcl_vq.tokenizer.tokens import NEW_RUN_STATE, init_from_export
 
     cfg = load_config(ROOT / CONFIGS["ddcl"], TINY + [f"run.dir={tmp_path / 'ft'}", f"train.init_from={exported}",

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from ddcl_vq.common import data as data_module
-from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import build_model
 from ddcl_vq.common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from ddcl_vq.tokenizer.train import main as train_main
 from ddcl_vq.tokenizer.config import Config, ConfigError, dump_config, load_config
@@ -186,7 +186,7 @@ def test_temperature_schedule_lives_in_the_quantizer_section(tmp_path):
 
 
 def test_mstep_codebook_is_not_given_to_the_optimizer(tiny_config, recwarn):
-    from ddcl_vq.tokenizer.builders import build_optimizer
+    from ddcl_vq.tokenizer.config import build_optimizer
     cfg = tiny_config("train.codebook_lr_ratio=1.0")             # the default: M-step codebook
     model = build_model(cfg, 1)
     opt = build_optimizer(model, cfg.train, "ddcl")
@@ -216,7 +216,80 @@ def test_a_run_config_of_another_version_is_refused_naming_the_version(tmp_path,
         assert len(err) == 1 and err[0].startswith(f"ddcl-vq {prog}: error: ") and \
             "written by ddcl-vq 0.1.0 before quantizer.warmup_steps existed; evaluate it with ddcl-vq 0.1.x or " \
             "retrain it" in err[0], err
-    assert load_config(run / "config.yaml").quantizer.warmup_steps == load_config(None).quantizer.warmup_steps
+    assert load_config(run / "config.yaml").quantizer["warmup_steps"] == load_config(None).quantizer["warmup_steps"]
+
+
+#: a resolved config of ddcl-vq 0.2.0: one quantizer section with every type's keys (decay null: the quantizer's
+#: own), the peers' sections and fsq_levels; one model section with both architectures' keys
+QUANTIZER_0_2_0 = dict(type="ddcl", num_codes=512, temperature=0.03, temperature_final=None,
+                       temperature_schedule="constant", mode="straight_through", beta=0.25, beta_final=1.0,
+                       revive_threshold=0.03, warmup_steps=100, codebook_init="kmeans", implementation="auto",
+                       distance="euclidean", kmeans_init=False, dead_code_threshold=0.0, logits="dot",
+                       entropy_weight=0.05, entropy_temperature=0.01, patch_size=4, bridge_dim=256, bridge_depth=2,
+                       bridge_heads=4, decay=None, vqp={}, fsq_levels=None, simvq={}, lfq={})
+MODEL_0_2_0 = dict(channels=64, num_res_blocks=2, num_downsamples=2, latent_dim=64, res_hidden=32, arch="vqvae",
+                   ch=128, ch_mult=[1, 1, 2, 2, 4], attn_resolutions=[16], z_channels=256, norm_groups=32)
+
+
+def as_0_2_0(raw):
+    """``raw`` (a resolved config of this version) as ddcl-vq 0.2.0 wrote it."""
+    q, m = raw["quantizer"], raw["model"]
+    old = {**QUANTIZER_0_2_0, **{k: v for k, v in q.items() if k in QUANTIZER_0_2_0}}
+    if q["type"] in ("vqp", "simvq", "lfq"):
+        old[q["type"]] = {k: v for k, v in q.items() if k not in QUANTIZER_0_2_0}
+    old["fsq_levels"] = q.get("levels")
+    return {**raw, "quantizer": old, "model": {**MODEL_0_2_0, **{k: v for k, v in m.items() if k in MODEL_0_2_0}}}
+
+
+def test_migrate_0_2_0_keeps_the_keys_of_the_type_and_the_arch():
+    from ddcl_vq.tokenizer.config import migrate_0_2_0
+    assert Config.from_dict(migrate_0_2_0(as_0_2_0(Config().to_dict()))) == Config()
+    old = {"quantizer": {**QUANTIZER_0_2_0, "type": "vqp", "vqp": {"kmeans_init": True, "decay": 0.9}},
+           "model": MODEL_0_2_0}
+    assert migrate_0_2_0(old)["quantizer"] == {"type": "vqp", "num_codes": 512, "kmeans_init": True, "decay": 0.9}
+    old["quantizer"].update(type="fsq", fsq_levels=[5, 5, 5])
+    assert migrate_0_2_0(old)["quantizer"] == {"type": "fsq", "num_codes": 512, "levels": [5, 5, 5]}
+    old["quantizer"].update(type="ema", dead_code_threshold=0.1)  # decay null: EMAVQ's own 0.99
+    assert Config.from_dict(migrate_0_2_0(old)).quantizer == {"type": "ema", "num_codes": 512, "decay": 0.99,
+                                                              "eps": 1e-5, "beta": 0.25, "dead_code_threshold": 0.1}
+    old["model"] = {**MODEL_0_2_0, "arch": "vqgan", "latent_dim": 8}
+    assert migrate_0_2_0(old)["model"] == {"arch": "vqgan", "num_res_blocks": 2, "latent_dim": 8, "ch": 128,
+                                           "ch_mult": [1, 1, 2, 2, 4], "attn_resolutions": [16], "z_channels": 256,
+                                           "norm_groups": 32}
+    assert migrate_0_2_0({"quantizer": {"type": "vqp"}}) == {"quantizer": {"type": "vqp"}}  # not 0.2.0's: as it is
+
+
+def test_a_run_of_0_2_0_is_migrated_on_load(tiny_config, tmp_path, capsys):
+    """A 0.2.0 run (its config.yaml, its checkpoints' config and its export's config.json) is read by this version:
+    evaluated, resumed and loaded as the same model."""
+    from ddcl_vq.models import VQVAE
+    from ddcl_vq.tokenizer.evaluate import main as evaluate_main
+    from ddcl_vq.tokenizer.export import export_run
+
+    cfg = tiny_config("train.steps=2", "train.eval_images=0", "quantizer.type=ema", "quantizer.decay=0.95")
+    train(cfg, quiet=True)
+    run = Path(cfg.run.dir)
+    export_run(run, tmp_path / "export")
+    (run / "config.yaml").write_text(yaml.safe_dump(as_0_2_0(cfg.to_dict()), sort_keys=False))
+    for path in (run / "checkpoints").glob("*.pt"):
+        state = torch.load(path, weights_only=True)
+        state["config"] = as_0_2_0(state["config"])
+        torch.save(state, path)
+    assert load_config(run / "config.yaml", saved=True) == cfg
+    assert evaluate_main([str(run), "--max-images", "32", "--quiet"]) == 0
+    assert train_main(["--config", str(run / "config.yaml"), "--quiet", "train.steps=3"]) == 0
+    assert latest_checkpoint(run / "checkpoints")[0]["step"] == 3
+    # the export's config.json as 0.2.0 wrote it (encoder_kwargs, decoder_kwargs, quantizer_type, quantizer_kwargs)
+    path = tmp_path / "export" / "config.json"
+    new = json.loads(path.read_text())
+    model, q = dict(new.pop("model")), dict(new.pop("quantizer"))
+    arch, channels = model.pop("arch"), model.pop("in_channels")
+    path.write_text(json.dumps({**new, "arch": arch, "encoder_kwargs": {"in_channels": channels, **model},
+                                "decoder_kwargs": {"out_channels": channels, **model}, "quantizer_type": q.pop("type"),
+                                "quantizer_kwargs": {**q, "dim": model["latent_dim"]}}))
+    loaded = VQVAE.from_pretrained(str(tmp_path / "export"))
+    assert loaded.config["model"] == {"arch": arch, "in_channels": channels, **model}
+    assert loaded.config["quantizer"]["decay"] == 0.95 and type(loaded.quantizer).__name__ == "EMAVQ"
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml")
@@ -227,60 +300,53 @@ def test_every_shipped_config_validates(path):
 
 
 def test_config_defaults_are_the_library_defaults():
-    """Defaults are stated once, in the constructors: every keyword argument of a quantizer class
-    (but those NOT_IN_CONFIG lists, and decay, whose default differs per quantizer) is a quantizer.*
-    key with the constructor's default, the model's sizes are Encoder's and Decoder's defaults, and a
-    user who trains with the YAML defaults and one who writes DDCLQuantizer(K, D) get the same quantizer."""
+    """One schema (issue 58): the model and quantizer sections are the constructors' keyword arguments with the
+    constructors' defaults (type and num_codes aside), and an export's config.json holds those same sections (plus
+    what the data and train.steps fix); a user who trains with the YAML defaults and one who writes
+    DDCLQuantizer(K, D) get the same quantizer."""
     import inspect
 
     from ddcl_vq import DDCLQuantizer
     from ddcl_vq.models import Decoder, Encoder
-    from ddcl_vq.tokenizer.builders import build_quantizer, quantizer_kwargs
-    from ddcl_vq.tokenizer.config import NOT_IN_CONFIG, QUANTIZER_CLASSES, QuantizerConfig
+    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
+    from ddcl_vq.tokenizer.config import NOT_IN_CONFIG, build_model, model_config, resolve_quantizer
 
+    for qtype, cls in QUANTIZER_TYPES.items():
+        q = resolve_quantizer({"type": qtype})
+        params = inspect.signature(cls).parameters
+        taken = {n for n, p in params.items() if n not in NOT_IN_CONFIG and p.kind is not p.VAR_KEYWORD}
+        assert set(q) == taken | {"type"}, qtype
+        assert all(q[n] == params[n].default for n in taken - {"num_codes"}), qtype
+    assert resolve_quantizer({"type": "ema"})["decay"] == 0.99 and resolve_quantizer({})["decay"] == 0.9
     cfg = Config()
-    for qtype, cls in QUANTIZER_CLASSES.items():
-        for name, p in inspect.signature(cls).parameters.items():
-            if p.default is p.empty or name in NOT_IN_CONFIG or p.kind is p.VAR_KEYWORD:
-                continue
-            expected = None if name == "decay" else p.default
-            assert getattr(cfg.quantizer, name) == expected, (qtype, name)
-    assert set(NOT_IN_CONFIG) >= {"num_codes", "dim", "channel_dim", "schedule_steps"}
     for name in ("channels", "num_res_blocks", "num_downsamples", "latent_dim", "res_hidden"):
-        assert getattr(cfg.model, name) == inspect.signature(Encoder).parameters[name].default \
+        assert cfg.model[name] == inspect.signature(Encoder).parameters[name].default \
             == inspect.signature(Decoder).parameters[name].default, name
-
-    passed = quantizer_kwargs(QuantizerConfig(), dim=8, steps=None)
-    signature = inspect.signature(DDCLQuantizer).parameters
-    compared = {name: value for name, value in passed.items() if name not in ("num_codes", "dim", "schedule_steps")}
-    assert {"temperature", "warmup_steps", "revive_threshold", "codebook_init"} <= compared.keys()
-    assert compared == {name: signature[name].default for name in compared}
-    assert DDCLQuantizer(16, 8).temperature == QuantizerConfig().temperature == 0.03
-    # decay unset: each quantizer keeps its own default (DDCL's M-step 0.9, EMAVQ 0.99)
-    assert build_quantizer(QuantizerConfig(), 8).decay == signature["decay"].default
-    ema = QuantizerConfig(type="ema")
-    assert "decay" not in quantizer_kwargs(ema, 8) and build_quantizer(ema, 8).decay == 0.99
+    config = model_config(cfg, 1)
+    assert config["model"] == {**cfg.model, "in_channels": 1}
+    assert config["quantizer"] == {**cfg.quantizer, "schedule_steps": cfg.train.steps}
+    built, direct = build_model(cfg, 1).quantizer, DDCLQuantizer(512, 64, schedule_steps=cfg.train.steps)
+    assert built.describe() == direct.describe() and built.temperature == 0.03
 
 
 def test_config_choices_are_what_the_quantizers_accept():
-    """Each allowed value of a quantizer.* key builds the quantizer, and the first value outside
-    the choices is refused by the config with the key's name (the choices are the library's tuples)."""
-    from ddcl_vq.models.vqvae import QUANTIZER_TYPES
-    from ddcl_vq.tokenizer.builders import build_quantizer
-    from ddcl_vq.tokenizer.config import CHOICES
+    """Each allowed value of a quantizer's choice (the library's tuples) builds the quantizer, and a value outside
+    them is refused by the config naming the key: the quantizer's own argument check, run on the meta device."""
+    from ddcl_vq.ddcl.arguments import DDCL_CHOICES
+    from ddcl_vq.hard import HARDVQ_CHOICES
+    from ddcl_vq.ibq import IBQ_LOGITS
+    from ddcl_vq.tokenizer.config import build_model
 
-    assert CHOICES["quantizer.type"] == tuple(QUANTIZER_TYPES)
-    keys = [k for k in CHOICES if k.startswith("quantizer.") and k != "quantizer.type"]
-    assert {"quantizer.mode", "quantizer.codebook_init", "quantizer.implementation", "quantizer.distance"} <= set(keys)
-    for key in keys:
-        qtype = "hard" if key == "quantizer.distance" else "ddcl"
-        for value in CHOICES[key]:
-            extra = ["quantizer.temperature_final=0.01"] if key.endswith("temperature_schedule") else []
-            cfg = load_config(None, [f"quantizer.type={qtype}", f"{key}={value}"] + extra)
-            quantizer = build_quantizer(cfg.quantizer, 8, steps=10)
-            assert getattr(quantizer, key.split(".")[1], value) == value, (key, value)
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(None, [f"quantizer.type={qtype}", f"{key}=not_a_choice"])
+    choices = [("ddcl", k, v) for k, v in DDCL_CHOICES.items()] + [("hard", k, v) for k, v in HARDVQ_CHOICES.items()]
+    for qtype, key, values in choices + [("ibq", "logits", IBQ_LOGITS)]:
+        for value in values:
+            extra = ["quantizer.temperature_final=0.01"] if key == "temperature_schedule" else []
+            cfg = load_config(None, TINY_MODEL + [f"quantizer.type={qtype}", f"quantizer.{key}={value}"] + extra)
+            assert getattr(build_model(cfg, 1).quantizer, key, value) == value, (key, value)
+        with pytest.raises(ConfigError, match=rf"config key 'quantizer\.{key}': expected"):
+            load_config(None, [f"quantizer.type={qtype}", f"quantizer.{key}=not_a_choice"])
+    with pytest.raises(ConfigError, match=r"config key 'quantizer\.type': expected one of \['ddcl', 'hard'"):
+        load_config(None, ["quantizer.type=ddlc"])
 
 
 def test_automatic_threads_use_the_idle_cores_and_the_setting_is_checked():

@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddcl_vq.tokenizer import losses
-from ddcl_vq.tokenizer.builders import build_model
-from ddcl_vq.tokenizer.config import ConfigError, LossConfig, dump_config, load_config
+from ddcl_vq.tokenizer.config import build_model
+from ddcl_vq.tokenizer.config import ConfigError, LossConfig, dump_config, load_config, resolve_quantizer
 
 TINY = ["model.arch=vqgan", "model.ch=16", "model.ch_mult=[1,2]", "model.num_res_blocks=1",
         "model.attn_resolutions=[16]", "model.z_channels=8", "model.latent_dim=8", "model.norm_groups=8",
         "data.name=natural_patches", "data.image_size=32", "data.patches_per_image=16", "data.batch_size=8",
         "quantizer.num_codes=32", "quantizer.warmup_steps=0", "train.eval_images=16", "train.log_every=1",
         "train.image_every=1000", "train.usage_window=2", "train.lr=0.001"]
+#: TINY for another quantizer.type (warmup_steps is DDCLQuantizer's argument)
+TINY_ANY = [o for o in TINY if not o.startswith("quantizer.warmup_steps")]
 
 
 # --------------------------------------------------------------------------- loss values
@@ -78,7 +80,7 @@ def test_patchgan_is_taming_design():
 # --------------------------------------------------------------------------- GANStep on a tiny VQGAN
 
 def _tiny(overrides=()):
-    cfg = load_config(None, TINY + list(overrides))
+    cfg = load_config(None, (TINY_ANY if "quantizer.type=hard" in overrides else TINY) + list(overrides))
     torch.manual_seed(0)
     return cfg, build_model(cfg, 3)
 
@@ -335,7 +337,7 @@ def test_diffusers_export_refuses_a_quantizer_that_does_not_pick_the_nearest_cod
     from ddcl_vq.tokenizer.train import train
 
     run = tmp_path / "run"
-    train(load_config(None, TINY + [f"quantizer.type={qtype}", *settings, "train.steps=1", f"run.dir={run}"]),
+    train(load_config(None, TINY_ANY + [f"quantizer.type={qtype}", *settings, "train.steps=1", f"run.dir={run}"]),
           quiet=True)
     capsys.readouterr()
     out = tmp_path / "hf"
@@ -486,15 +488,16 @@ def test_vqgan_study_is_the_photos64_recipe_with_each_quantizer():
     recipe = load_config(root / "configs" / "vqgan_photos64.yaml", ["train.eval_images=0"]).to_dict()
     changed = {}
     for arm in (a for a in study.arms if a.seed == 0):
-        cfg = arm.config.to_dict()
-        changed[arm.group] = {f"{s}.{k}" for s in cfg for k in cfg[s] if cfg[s][k] != recipe[s][k]} - {
-            "run.name", "run.dir"}
+        cfg = arm.config.to_dict()  # a key of another quantizer: against that quantizer's default
+        own = resolve_quantizer({"type": cfg["quantizer"]["type"]})
+        changed[arm.group] = {f"{s}.{k}" for s in cfg for k in cfg[s]
+                              if cfg[s][k] != recipe[s].get(k, own.get(k, "none"))} - {"run.name", "run.dir"}
     assert changed == {
         "ddcl": set(),
         "ddcl_mse": {"loss.pixel", "loss.perceptual_weight", "loss.disc_weight"},
         "hard": {"quantizer.type", "train.codebook_lr_ratio"},             # beta 0.25 is the default
         "ema_restart": {"quantizer.type", "quantizer.decay", "quantizer.dead_code_threshold"},
-        "vqp_kmeans_expiry": {"quantizer.type", "quantizer.vqp"},
+        "vqp_kmeans_expiry": {"quantizer.type", "quantizer.kmeans_init", "quantizer.threshold_ema_dead_code"},
         "fsq": {"quantizer.type", "train.codebook_lr_ratio"}}
     mse = next(a.config for a in study.arms if a.group == "ddcl_mse")
     assert (mse.loss.pixel, mse.loss.perceptual_weight, mse.loss.disc_weight) == ("l2", 0.0, 0.0)

@@ -8,6 +8,7 @@ Every error is a :class:`ConfigError`.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import difflib
 import math
@@ -46,11 +47,13 @@ class Rules:
 
 # ----------------------------------------------------------------------------- keys
 def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
-    """(dotted name, value) for every leaf setting of a dataclass instance (nested dataclasses walked)."""
+    """(dotted name, value) for every leaf of a dataclass instance (nested dataclasses and ``section`` dicts walked)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             yield from leaves(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("section") and isinstance(value, dict):
+            yield from ((f"{prefix}{f.name}.{key}", v) for key, v in value.items())
         else:
             yield prefix + f.name, value
 
@@ -99,7 +102,7 @@ def _optional(annotation: Any) -> Tuple[Any, bool]:
 def type_name(annotation: Any) -> str:
     annotation, _ = _optional(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (list, List):
+    if origin in (list, List, collections.abc.Sequence):
         return f"a list of {type_name(args[0])}" if args and args[0] is not Any else "a list"
     if origin in (dict, Dict) or annotation is dict or dataclasses.is_dataclass(annotation):
         return "a mapping"
@@ -132,7 +135,7 @@ def coerce(key: str, value: Any, annotation: Any, name: Callable[[str], str] = c
             return float(value)
         if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
             return float(value)  # 1e-3: YAML 1.1 makes it a string, people write learning rates so
-    elif origin in (list, List) or annotation is list:
+    elif origin in (list, List, collections.abc.Sequence) or annotation is list:
         if isinstance(value, list):
             inner = args[0] if args else Any
             return [coerce(f"{key}[{i}]", v, inner, name) for i, v in enumerate(value)]
@@ -447,7 +450,7 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], keys: Sequenc
                     open_sections: Sequence[str] = ()) -> Dict[str, Any]:
     """A copy of ``raw`` with every ``dotted.key=value`` override set. ``keys``: the valid keys; ``unknown``: the
     error for another one (default: naming the nearest valid key); ``open_sections``: sections whose sub-keys
-    pass as they are (``quantizer.vqp``: a peer library's keyword arguments)."""
+    pass as they are (``quantizer``: checked when the config is resolved)."""
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"the settings: expected a mapping at the top, got {type(raw).__name__}")
     raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
@@ -469,8 +472,8 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str], keys: Sequenc
 
 def differences(old: Any, new: Any) -> List[Tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every setting that differs between two resolved configs."""
-    new_values = dict(leaves(new))
-    return [(key, value, new_values[key]) for key, value in leaves(old) if new_values[key] != value]
+    a, b = dict(leaves(old)), dict(leaves(new))
+    return [(key, a.get(key), b.get(key)) for key in dict.fromkeys([*a, *b]) if a.get(key) != b.get(key)]
 
 
 def dump_config(cfg: Any) -> str:

@@ -74,9 +74,9 @@ class VQGANDecoder(nn.Module):
         return self.decoder(self.post_quant_conv(z))
 
 
-def diffusers_config(encoder_kwargs: Dict[str, Any], num_codes: int) -> Dict[str, Any]:
-    """``diffusers.VQModel``'s constructor arguments for a VQGAN of ``encoder_kwargs`` with ``num_codes`` codes."""
-    e = dict(encoder_kwargs)
+def diffusers_config(model: Dict[str, Any], num_codes: int) -> Dict[str, Any]:
+    """``diffusers.VQModel``'s constructor arguments for a VQGAN of ``model`` (its arguments), ``num_codes`` codes."""
+    e = dict(model)
     ch, ch_mult = e.get("ch", 128), list(e.get("ch_mult", (1, 1, 2, 2, 4)))
     down, up = block_types(ch_mult, e.get("attn_resolutions", (16,)), e.get("resolution", 256))
     return {"in_channels": e.get("in_channels", 3), "out_channels": e.get("in_channels", 3),

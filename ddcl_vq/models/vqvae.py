@@ -20,12 +20,14 @@ from torch import Tensor, nn
 from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer,
                      QuantizerOutput, SimVQQuantizer, VQPQuantizer)
 
-# config.json "quantizer_type" -> class; its "quantizer_kwargs" are the class's constructor arguments
+#: the one registry of quantizer types: a config's ``quantizer.type`` -> the class; the rest of the ``quantizer``
+#: section is that class's keyword arguments (``dim`` is ``model.latent_dim``)
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
                    "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
-#: the keys every config.json holds
-REQUIRED = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
+#: the keys every config.json holds (the encoder's and the quantizer's keyword arguments), and 0.2.0's (migrated)
+REQUIRED = ("model", "quantizer")
+OLD_KEYS = ("encoder_kwargs", "decoder_kwargs", "quantizer_type", "quantizer_kwargs")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -35,7 +37,8 @@ WEIGHTS_NAME = "model.safetensors"
 #: quantizers whose weights hold a learned (K, D) codebook: the weights file is at least K·D·2 bytes
 LEARNED_CODEBOOK = ("ddcl", "hard", "ema", "vqp")
 #: the encoder/decoder sizes config.json may give, and their bound (a tampered 1e12 is refused, not allocated)
-SIZES = ("in_channels", "out_channels", "channels", "latent_dim", "res_hidden", "num_downsamples", "num_res_blocks")
+SIZES = ("in_channels", "channels", "latent_dim", "res_hidden", "num_downsamples", "num_res_blocks", "ch", "z_channels",
+         "norm_groups")
 MAX_SIZE = 65536
 INTEGER_DTYPES = (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
                   torch.int64)
@@ -53,31 +56,49 @@ def _integer(value: Any, low: int = 1, high: float = math.inf) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+def migrate_config(config: Any) -> Any:
+    """A ddcl-vq 0.2.0 config.json (``encoder_kwargs``, ``decoder_kwargs``, ``quantizer_type``, ``quantizer_kwargs``)
+    in this version's form (``model``, ``quantizer``); any other config as it is."""
+    if not isinstance(config, dict) or "model" in config or not all(isinstance(config.get(k), dict) for k in OLD_KEYS
+                                                                      if k.endswith("kwargs")):
+        return config
+    model = {"arch": config.get("arch", "vqvae"), **config["encoder_kwargs"]}
+    q = {k: v for k, v in config["quantizer_kwargs"].items() if not (k == "dim" and v == model.get("latent_dim"))}
+    return {**{k: v for k, v in config.items() if k not in OLD_KEYS + ("arch",)}, "model": model,
+            "quantizer": {"type": config["quantizer_type"], **q}}
+
+
+def check_model_arguments(model: Dict[str, Any], prefix: str = "model.", where: str = "") -> None:
+    """ValueError for a size of the encoder/decoder (``SIZES``, ``ch_mult``) out of [1, MAX_SIZE] (blocks: from 0)."""
+    for key, value in model.items():
+        low = 0 if key in ("num_res_blocks", "attn_resolutions") else 1
+        if key in SIZES + ("ch_mult", "attn_resolutions") and not all(
+                _integer(v, low, MAX_SIZE) for v in (value if isinstance(value, (list, tuple)) else [value])):
+            what = "integers" if isinstance(value, (list, tuple)) else "an integer"
+            raise ValueError(f"expected {prefix}{key}{where} to be {what} in [{low}, {MAX_SIZE}], got {value!r}"[:300])
+
+
 def check_config(config: Any, where: str) -> Dict[str, Any]:
     """``config`` if it has the shape ``VQVAE.from_config`` needs, else a ValueError saying what is wrong."""
     if not isinstance(config, dict):
         raise ValueError(f"expected {where} to hold a JSON object (written by VQVAE.save_pretrained or ddcl-vq "
                          f"export), got a JSON {type(config).__name__}")
+    config = migrate_config(config)
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ValueError(f"expected {where} to have {', '.join(missing)} (a VQVAE config); got keys {sorted(config)}")
-    for key in ("encoder_kwargs", "decoder_kwargs", "quantizer_kwargs"):
+    for key in REQUIRED:
         if not isinstance(config[key], dict):
             raise ValueError(f"expected {key} in {where} to be a JSON object, got {config[key]!r}"[:300])
-    if config["quantizer_type"] not in QUANTIZER_TYPES:
-        raise ValueError(f"expected quantizer_type in {where} to be one of {', '.join(QUANTIZER_TYPES)}, "
-                         f"got {config['quantizer_type']!r}"[:300])
-    q = config["quantizer_kwargs"]
-    for key in ("num_codes", "dim"):
-        if key in q and not _integer(q[key]):
-            raise ValueError(f"expected quantizer_kwargs.{key} in {where} to be a positive integer, got {q[key]!r}")
-    for part in ("encoder_kwargs", "decoder_kwargs"):
-        for key in SIZES:
-            low = 0 if key == "num_res_blocks" else 1
-            value = config[part].get(key, 1)
-            if not _integer(value, low, MAX_SIZE):
-                raise ValueError(f"expected {part}.{key} in {where} to be an integer in [{low}, {MAX_SIZE}], got "
-                                 f"{value!r}"[:300])
+    q = config["quantizer"]
+    if q.get("type") not in QUANTIZER_TYPES:
+        raise ValueError(f"expected quantizer.type in {where} to be one of {', '.join(QUANTIZER_TYPES)}, "
+                         f"got {q.get('type')!r}"[:300])
+    for key, value in (("quantizer.num_codes", q.get("num_codes")),
+                       ("model.latent_dim (D)", q.get("dim", config["model"].get("latent_dim")))):
+        if not _integer(value):
+            raise ValueError(f"expected {key} in {where} to be a positive integer, got {value!r}")
+    check_model_arguments(config["model"], where=f" in {where}")
     return config
 
 
@@ -104,18 +125,19 @@ def safetensors_header(path: str | os.PathLike) -> Dict[str, Any]:
 
 def check_size(config: Dict[str, Any], header: Dict[str, Any], weights: str) -> None:
     """Refuse a config whose codebook alone (K·D float32) is larger than the weights file's tensors or this machine."""
-    q = config["quantizer_kwargs"]
-    if config["quantizer_type"] not in LEARNED_CODEBOOK or not ("num_codes" in q and "dim" in q):
+    q = config["quantizer"]
+    dim = q.get("dim", config["model"].get("latent_dim"))
+    if q["type"] not in LEARNED_CODEBOOK:
         return
-    codebook = 4 * q["num_codes"] * q["dim"]
+    codebook = 4 * q["num_codes"] * dim
     stored = sum(math.prod(v.get("shape", [])) * 2 for v in header.values())  # >= 2 bytes per stored element
     if codebook > 2 * max(stored, 1):
-        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {q['dim']} (a "
+        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {dim} (a "
                          f"{byte_size(codebook)} codebook) but {weights!r} holds about {byte_size(stored)} of weights: "
                          "config.json and model.safetensors do not belong together")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's physical memory
     if codebook > memory:
-        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {q['dim']}: the codebook alone "
+        raise ValueError(f"config.json asks for K = {q['num_codes']:,} codes of D = {dim}: the codebook alone "
                          f"needs {byte_size(codebook)}, this machine has {byte_size(memory)} of memory")
 
 
@@ -246,21 +268,16 @@ def architecture(arch: str = "vqvae") -> tuple:
     raise ValueError(f"expected arch 'vqvae' or 'vqgan', got {arch!r}")
 
 
-def build_quantizer_from_config(quantizer_type: str, kwargs: Dict[str, Any]) -> Quantizer:
-    """``QUANTIZER_TYPES[quantizer_type](**kwargs)`` (kwargs hold ``num_codes`` and ``dim``)."""
-    if quantizer_type not in QUANTIZER_TYPES:
-        raise ValueError(f"expected quantizer_type in {', '.join(QUANTIZER_TYPES)}, got {quantizer_type!r}")
-    return QUANTIZER_TYPES[quantizer_type](**kwargs)
-
-
 class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-vae", "image-tokenizer", "ddcl"]):
     """encoder -> quantizer -> decoder; any ``ddcl_vq.Quantizer`` (channel-first) plugs in.
 
     ``VQVAE.from_config(config)`` builds one from plain constructor arguments and remembers them (``model.config``), so
     it can ``save_pretrained`` / ``push_to_hub`` and be loaded with ``VQVAE.from_pretrained``. The config::
 
-        {"format": "ddcl-vq/vqvae", "encoder_kwargs": {...}, "decoder_kwargs": {...},
-         "quantizer_type": one of QUANTIZER_TYPES, "quantizer_kwargs": {"num_codes": K, "dim": D, ...}}
+        {"format": "ddcl-vq/vqvae", "model": {"arch": "vqvae", "in_channels": C, "latent_dim": D, ...the Encoder's},
+         "quantizer": {"type": one of QUANTIZER_TYPES, "num_codes": K, ...that class's arguments}}
+
+    (a training config's sections, with the data's channels; a 0.2.0 config.json is read too: :func:`migrate_config`).
 
     ``save_pretrained`` adds ``quantizer_state`` (e.g. DDCL's τ, for reading: the state itself is in the weights) and
     keeps any other keys of ``model.config`` (``ddcl-vq export`` records the run, step and data there)."""
@@ -277,13 +294,19 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "VQVAE":
         """Build (untrained) from a config: encoder, quantizer, decoder in that order, as in training."""
+        config = migrate_config(config)
         missing = [k for k in REQUIRED if k not in config]
         if missing:
             raise ValueError(f"expected a VQVAE config with {', '.join(missing)}; got keys {sorted(config)}")
-        encoder_cls, decoder_cls = architecture(config.get("arch", "vqvae"))
-        encoder = encoder_cls(**config["encoder_kwargs"])
-        quantizer = build_quantizer_from_config(config["quantizer_type"], dict(config["quantizer_kwargs"]))
-        model = cls(encoder, quantizer, decoder_cls(**config["decoder_kwargs"]))
+        model, q = dict(config["model"]), dict(config["quantizer"])
+        encoder_cls, decoder_cls = architecture(model.pop("arch", "vqvae"))
+        io = {"in_channels": model.pop("in_channels")} if "in_channels" in model else {}  # the decoder's out_channels
+        qtype, dim = q.pop("type", None), q.pop("dim", model.get("latent_dim"))  # D: the encoder's output
+        if qtype not in QUANTIZER_TYPES:
+            raise ValueError(f"expected quantizer type in {', '.join(QUANTIZER_TYPES)}, got {qtype!r}")
+        encoder, quantizer = encoder_cls(**model, **io), QUANTIZER_TYPES[qtype](dim=dim, **q)
+        decoder = decoder_cls(**model, **{"out_channels": c for c in io.values()})
+        model = cls(encoder, quantizer, decoder)
         model.config = copy.deepcopy(dict(config))
         model.config.setdefault("format", CONFIG_FORMAT)
         return model
@@ -338,6 +361,8 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
         if config is None:
             raise ValueError(f"expected a config.json in {model_id!r} (written by VQVAE.save_pretrained or "
                              "ddcl-vq export)")
+        # the mixin hands config.json's keys that share a name with __init__'s arguments ("quantizer") on: not ours
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k not in config or config[k] is not v}
         if model_kwargs:
             raise TypeError(f"unexpected arguments for VQVAE.from_pretrained: {', '.join(sorted(model_kwargs))}")
         if os.path.isdir(model_id):
@@ -349,7 +374,7 @@ class VQVAE(nn.Module, PyTorchModelHubMixin, library_name="ddcl-vq", tags=["vq-v
                                       cache_dir=cache_dir, force_download=force_download, token=token,
                                       local_files_only=local_files_only)
         config = {k: v for k, v in config.items() if k not in ("quantizer_state", "ddcl_vq_version")}
-        check_config(config, f"the config.json of {model_id!r}")
+        config = check_config(config, f"the config.json of {model_id!r}")
         check_size(config, safetensors_header(weights), weights)  # before anything is allocated
         try:
             model = cls.from_config(config)

@@ -97,9 +97,11 @@ def render_report(study, rows: Sequence[Dict], info: Dict, groups: Optional[Sequ
     from ddcl_vq.tokenizer.metrics import definitions
     b = study.arms[0].config
     seed_text = ", ".join(map(str, sorted({a.seed for a in study.arms if a.seed is not None})))  # arms may add seeds
+    m = b.model  # the sizes of its arch
+    sizes = (f"{m['channels']} channels, {m['num_res_blocks']} residual blocks, {m['num_downsamples']} downsamplings"
+             if m["arch"] == "vqvae" else f"VQGAN ch {m['ch']} × {m['ch_mult']}, {m['num_res_blocks']} residual blocks")
     budget = (f"{b.data.name}, {b.data.image_size}×{b.data.image_size}, batch {b.data.batch_size}; encoder/decoder "
-              f"{b.model.channels} channels, {b.model.num_res_blocks} residual blocks, {b.model.num_downsamples} "
-              f"downsamplings, D = {b.model.latent_dim}; {b.train.steps} steps, lr {b.train.lr:g} "
+              f"{sizes}, D = {m['latent_dim']}; {b.train.steps} steps, lr {b.train.lr:g} "
               f"({b.train.lr_schedule}), "
               + (f"seed {b.run.seed}" if study.seeds is None else f"seeds {seed_text}"))
     ev = study.eval

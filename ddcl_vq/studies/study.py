@@ -546,8 +546,8 @@ def run_study(study: Study, train_arms: bool = True, progress: bool = True, verb
     """Train (unless ``train_arms`` is False), evaluate and compare every arm; write report.md and study.json.
     ``jobs`` > 1 trains that many arms at once in worker processes with ``threads`` threads each."""
     from ddcl_vq.studies.report import render_report
-    short = [a.name for a in study.arms if a.config.quantizer.type == "ddcl"
-             and a.config.train.steps < a.config.quantizer.warmup_steps]
+    short = [a.name for a in study.arms if a.config.quantizer['type'] == "ddcl"
+             and a.config.train.steps < a.config.quantizer['warmup_steps']]
     if short and train_arms:
         print(f"warning: {len(short)} DDCL arm(s) (e.g. {short[0]}) end inside the quantizer's warm-up "
               "(train.steps < quantizer.warmup_steps): their code use and quality measure nothing yet", file=sys.stderr)

@@ -3,14 +3,12 @@ point (:func:`aggregate`); markdown (:func:`markdown_table`), CSV and JSON."""
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 import math
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
-from ddcl_vq import EMAVQ
 
 from ddcl_vq.common.progress import fmt
 from ddcl_vq.tokenizer.metrics import definitions
@@ -95,11 +93,9 @@ def column_definitions(rows: Sequence[Dict]) -> str:
     return COLUMN_DEFINITIONS + ("\n" + PER_LEVEL_COLUMN_DEFINITIONS if per_level else "")
 
 
-EMAVQ_DEFAULT_DECAY = inspect.signature(EMAVQ.__init__).parameters["decay"].default
-
-
 def settings_text(cfg) -> str:
-    q, t = cfg.quantizer, cfg.train
+    from ddcl_vq.tokenizer.config import resolve_quantizer
+    q, t, own = SimpleNamespace(**cfg.quantizer), cfg.train, resolve_quantizer({"type": cfg.quantizer["type"]})
     if q.type == "ddcl":
         tau = (f"τ={q.temperature:g}" if q.temperature_schedule == "constant" else
                f"τ={q.temperature:g}→{q.temperature_final:g} ({q.temperature_schedule})")
@@ -107,18 +103,17 @@ def settings_text(cfg) -> str:
             + ([f"revival {q.revive_threshold:g}"] if q.revive_threshold > 0 else []) \
             + ([f"warm-up {q.warmup_steps}"] if q.warmup_steps > 0 else []) \
             + ([f"β {q.beta:g}→{q.beta_final:g}"] if q.beta_final is not None and q.mode == "straight_through" else [])
-        return ", ".join([q.mode, tau, "M-step" + (f" decay={q.decay:g}" if q.decay is not None else "")] + extra)
+        return ", ".join([q.mode, tau, "M-step" + (f" decay={q.decay:g}" if q.decay != own["decay"] else "")] + extra)
     if q.type == "hard":
         extra = [f"β={q.beta:g}"] + (["cosine"] if q.distance == "cosine" else []) \
             + (["k-means init"] if q.kmeans_init else [])
         return ", ".join(extra) + (f", ρ={t.codebook_lr_ratio:g}" if t.codebook_lr_ratio != 1 else "")
     if q.type == "ema":
-        decay = q.decay if q.decay is not None else EMAVQ_DEFAULT_DECAY  # null: EMAVQ's own default
-        return f"decay={decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
-            else f"decay={decay:g}, no restart"
+        return f"decay={q.decay:g}, dead-code restart<{q.dead_code_threshold:g}" if q.dead_code_threshold > 0 \
+            else f"decay={q.decay:g}, no restart"
     if q.type in ("vqp", "simvq", "lfq"):
-        options = getattr(q, q.type)
-        text = "defaults" if not options else ", ".join(f"{k}={v}" for k, v in options.items())
+        changed = [f"{k}={v}" for k, v in cfg.quantizer.items() if k != "num_codes" and (k not in own or own[k] != v)]
+        text = ", ".join(changed) or "defaults"
         return text + (f", ρ={t.codebook_lr_ratio:g}" if q.type == "simvq" else "")
     if q.type == "ibq":
         extra = [f"β={q.beta:g}", f"{q.logits} logits"] + (
@@ -126,7 +121,7 @@ def settings_text(cfg) -> str:
         return ", ".join(extra) + f", ρ={t.codebook_lr_ratio:g}"
     if q.type == "fsq":
         from ddcl_vq.fsq import fsq_levels
-        levels = q.fsq_levels if q.fsq_levels is not None else list(fsq_levels(q.num_codes)[0])
+        levels = q.levels if q.levels is not None else list(fsq_levels(q.num_codes)[0])
         return "levels [" + ", ".join(str(v) for v in levels) + "]"
     return ""
 
@@ -138,7 +133,7 @@ def make_row(run_dir: Path, ev: Dict, name: str) -> Dict:
     c = ev["codebook"]
     return {
         "name": name, "run": str(run_dir), "type": ev["quantizer"]["type"], "num_codes": ev["quantizer"]["num_codes"],
-        **{k: getattr(cfg.quantizer, k) if cfg.quantizer.type == "ddcl" else None
+        **{k: cfg.quantizer.get(k)
            for k in ("mode", "temperature", "temperature_schedule", "temperature_final")},
         "codebook_lr_ratio": cfg.train.codebook_lr_ratio, "settings": settings_text(cfg),
         **{f"hard_{k}": hard[k] for k in ("psnr", "mse", "ssim", "lpips")},

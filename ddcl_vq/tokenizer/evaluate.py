@@ -38,7 +38,7 @@ from ddcl_vq.common.progress import Progress, fmt
 from ddcl_vq.common.rundir import RunDirError, writable_dir
 from ddcl_vq.common.skeleton import setup_distributed
 from ddcl_vq.common.threads import set_threads, threads_option
-from ddcl_vq.tokenizer.builders import build_model
+from ddcl_vq.tokenizer.config import build_model
 from ddcl_vq.tokenizer.config import ConfigError, differences, load_config
 from ddcl_vq.tokenizer.metrics import (DEFINITIONS_HINT, ImageMetricSums, build_lpips, codebook_geometry,
                                      definitions, rfid_availability)
@@ -301,7 +301,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", max_images: int = 0, 
         "split": split, "num_images": result["num_images"], "max_images": max_images,
         "overrides": list(overrides),  # with step, checkpoint, split, max_images: what compare reuses it for
         "latent_positions_per_image": latent_positions,
-        "quantizer": {"type": cfg.quantizer.type, "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
+        "quantizer": {"type": cfg.quantizer['type'], "num_codes": q.num_codes, "dim": q.dim, **q.describe()},
         "recon": {"hard": hard, "soft": soft, "soft_minus_hard": None if soft is None else {
             k: (soft[k] - hard[k]) if soft.get(k) is not None and hard.get(k) is not None else None for k in hard},
             **({"hard_by_levels": result["hard_by_levels"]} if "hard_by_levels" in result else {})},

@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 
 from ddcl_vq.models import VQVAE
+from ddcl_vq.models.vqvae import QUANTIZER_TYPES
 from ddcl_vq.models.vqgan import diffusers_config, diffusers_state_dict
 
 from ddcl_vq.common.checkpoint import umask
@@ -176,16 +177,15 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
     from diffusers import VQModel
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg, model, step, ckpt = load_run(run_dir)
-    if cfg.model.arch != "vqgan":
+    if cfg.model['arch'] != "vqgan":
         raise ExportError(f"--format diffusers needs a VQGAN run (model.arch vqgan: diffusers' VQModel "
-                          f"encoder/decoder); {str(run_dir)!r} is a {cfg.model.arch} run: export it with --format "
+                          f"encoder/decoder); {str(run_dir)!r} is a {cfg.model['arch']} run: export it with --format "
                           "ddcl-vq")
     if not model.quantizer.assigns_nearest_code:
-        why = NOT_NEAREST.get(cfg.quantizer.type, "another rule")
         raise ExportError(f"--format diffusers needs a quantizer whose hard index is the nearest codebook row "
-                          f"(diffusers' VQModel encodes by nearest-code search); the {cfg.quantizer.type} quantizer's "
-                          f"index is not ({why}), so the exported VQModel would encode other codes than the run: "
-                          "export it with --format ddcl-vq")
+                          f"(diffusers' VQModel encodes by nearest-code search); the {cfg.quantizer['type']} "
+                          f"quantizer's index is not ({NOT_NEAREST.get(cfg.quantizer['type'], 'another rule')}), so "
+                          "the exported VQModel would encode other codes than the run: export it with --format ddcl-vq")
     check_out_dir(run_dir, out_dir, overwrite)
     model = model.cpu().eval()
     codes = torch.arange(model.quantizer.num_codes)
@@ -193,8 +193,8 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
         looked_up = model.quantizer.lookup(codes[:, None, None]).reshape(len(codes), -1)
     if not torch.equal(looked_up.float(), model.quantizer.codebook.detach().float()):
         raise ExportError(f"--format diffusers needs a quantizer whose hard codes are rows of its codebook (VQModel "
-                          f"looks codes up in one embedding table); the {cfg.quantizer.type} quantizer's are not")
-    vq = VQModel(**diffusers_config(model.config["encoder_kwargs"], model.quantizer.num_codes))
+                          f"looks codes up in one embedding table); the {cfg.quantizer['type']} quantizer's are not")
+    vq = VQModel(**diffusers_config(model.config["model"], model.quantizer.num_codes))
     vq.load_state_dict(diffusers_state_dict(model), strict=True)  # the run's weights and hard codebook
     x, check = check_inputs(model, cfg), {}
 
@@ -220,13 +220,13 @@ def export_diffusers(run_dir: str | Path, out_dir: str | Path, overwrite: bool =
                               f"{str(out_dir)!r}; export it with --format ddcl-vq")
         check.update(max_abs_diff=diff, index_agreement=agreement, checked_images=int(x.shape[0]),
                      tolerance=DECODE_ATOL)
-        source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer.type}
+        source = {"name": cfg.run.name, "step": step, "quantizer_type": cfg.quantizer['type']}
         config = json.loads((staging / "config.json").read_text())
         (staging / "README.md").write_text(diffusers_card(config, source, check))
 
     files = write_checked(out_dir, overwrite, EXPORT_FILES["diffusers"], write)  # 0644 files (diffusers writes 0600)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
-            "quantizer_type": cfg.quantizer.type, **check, "files": files}
+            "quantizer_type": cfg.quantizer['type'], **check, "files": files}
 
 
 @dataclass(kw_only=True)
@@ -247,12 +247,12 @@ OPTIONS = Options(ExportOptions, prog="ddcl-vq export", description=__doc__,
 
 
 def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
-    q, qtype, source, data = config["quantizer_kwargs"], config["quantizer_type"], config["source"], config["data"]
+    q, dim, source, data = config["quantizer"], config["model"]["latent_dim"], config["source"], config["data"]
     size, latent = data["image_size"], data["latent_size"]
     lines = ["---", "library_name: ddcl-vq", "tags:", "- vq-vae", "- image-tokenizer", "- ddcl",
              "- pytorch_model_hub_mixin", "---", "",
-             f"# {source['name']}: a VQ-VAE image tokenizer ({qtype} quantizer)", "",
-             f"K = {q['num_codes']} codes of dimension D = {q['dim']}; {data['channels']}×{size}×{size} images "
+             f"# {source['name']}: a VQ-VAE image tokenizer ({q['type']} quantizer)", "",
+             f"K = {q['num_codes']} codes of dimension D = {dim}; {data['channels']}×{size}×{size} images "
              f"({data['name']}) -> {latent}×{latent} code indices. Trained with ddcl-vq for {source['step']} "
              "steps.", ""]
     if summary and "hard" in summary:
@@ -267,7 +267,7 @@ def model_card(config: Dict, summary: Optional[Dict], out_dir: Path) -> str:
               "recon = model.decode_indices(indices)  # decoded from the hard codes", "```", "",
               "Files: `config.json` (constructor arguments; `quantizer_state` is informative, the state itself "
               "is in the weights), `model.safetensors` (weights and quantizer buffers, no pickle)."]
-    peer = {"vqp": "VectorQuantize", "fsq": "FSQ", "simvq": "SimVQ", "lfq": "LFQ"}.get(qtype)
+    peer = getattr(QUANTIZER_TYPES[q["type"]], "peer", None)
     if peer:
         lines += ["", f"This model's quantizer is vector-quantize-pytorch's `{peer}`: loading it needs "
                       "`pip install vector-quantize-pytorch`."]
@@ -301,7 +301,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False
 
     files = write_checked(out_dir, overwrite, FILES, write)
     return {"run": str(run_dir), "out_dir": str(out_dir), "step": step, "checkpoint": str(ckpt),
-            "train_steps": cfg.train.steps, "quantizer_type": cfg.quantizer.type,
+            "train_steps": cfg.train.steps, "quantizer_type": cfg.quantizer['type'],
             "checked_images": int(x.shape[0]), "files": files}
 
 
@@ -342,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"{checked} from_pretrained reproduces the hard reconstructions and indices of "
                   f"{done['checked_images']} images bit for bit")
-            if done["quantizer_type"] in ("vqp", "fsq", "simvq", "lfq"):
+            if hasattr(QUANTIZER_TYPES[done["quantizer_type"]], "peer"):
                 print(f"note: a {done['quantizer_type']} model needs vector-quantize-pytorch installed where it is "
                       "loaded")
             print(f"load it: VQVAE.from_pretrained({str(opts.out_dir)!r})  (from ddcl_vq.models import VQVAE)")

@@ -146,7 +146,7 @@ class GANStep:
         if cfg.train.amp == "fp16" and cfg.loss.disc_weight > 0:
             raise ConfigError("config key 'train.amp': the adversarial loss is not supported with fp16 (one "
                               "GradScaler for two optimizers); use train.amp=bf16 or none")
-        from ddcl_vq.tokenizer.builders import lr_lambda
+        from ddcl_vq.tokenizer.config import lr_lambda
         return cls(cfg.loss, in_channels=in_channels, last_layer=decoder_last_layer(model), lr=cfg.train.lr,
                    lr_lambda=lr_lambda(cfg.train), device=device, world=world, seed=cfg.run.seed, autocast=autocast)
 

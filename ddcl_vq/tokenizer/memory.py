@@ -37,18 +37,18 @@ class Estimate:
 def estimate(cfg: Config, in_channels: int, device: torch.device, world: int = 1) -> Estimate:
     """A lower bound of the memory one training process needs for ``cfg`` on ``device``."""
     from ddcl_vq.blocks import BLOCK_LIVE_TENSORS, block_rows
-    from ddcl_vq.tokenizer.builders import build_model
+    from ddcl_vq.tokenizer.config import build_model
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what the model's build warns about, the real build says (once)
         model = build_model(cfg, in_channels)  # shapes only: nothing is allocated
     state = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    k, d = cfg.quantizer.num_codes, cfg.model.latent_dim
-    halvings = (len(cfg.model.ch_mult) - 1 if getattr(cfg.model, "arch", "vqvae") == "vqgan"
-                else cfg.model.num_downsamples)
+    k, d = cfg.quantizer['num_codes'], cfg.model['latent_dim']
+    halvings = (len(cfg.model['ch_mult']) - 1 if cfg.model['arch'] == "vqgan"
+                else cfg.model['num_downsamples'])
     side = max(cfg.data.image_size // 2 ** halvings, 1)
     rows = max(cfg.data.batch_size // max(world, 1), 1) * side * side  # latent vectors per process and step
-    if cfg.quantizer.type == "ddcl":
+    if cfg.quantizer['type'] == "ddcl":
         # one block of rows × K (its live tensors); the M-step's per-code sums and the new codebook (K × D)
         step = block_rows(device.type, rows, k) * k * 4 * BLOCK_LIVE_TENSORS + 2 * k * d * 4
     else:
@@ -114,5 +114,5 @@ def check_fits(cfg: Config, in_channels: int, device: torch.device, world: int =
     per = f" ({world} processes × {_gib(need.total)})" if total != need.total else ""
     raise NotEnoughMemory(
         f"this configuration needs at least {_gib(total)} of memory{per}, {where} {_gib(free)} available; most of it "
-        f"{biggest[0]} ({_gib(biggest[1])}, quantizer.num_codes={cfg.quantizer.num_codes:,} × "
-        f"model.latent_dim={cfg.model.latent_dim}). Lower quantizer.num_codes (or model.latent_dim, data.batch_size)")
+        f"{biggest[0]} ({_gib(biggest[1])}, quantizer.num_codes={cfg.quantizer['num_codes']:,} × model.latent_dim="
+        f"{cfg.model['latent_dim']}). Lower quantizer.num_codes (or model.latent_dim, data.batch_size)")

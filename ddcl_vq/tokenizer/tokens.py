@@ -221,27 +221,19 @@ def load_model(source: str | Path, device="cpu") -> VQVAE:
 
 #: quantizer state that belongs to the run, not to the weights: a run started from an export starts its own
 NEW_RUN_STATE = ("quantizer.schedule", "quantizer.schedule_step", "quantizer.revived")
-#: config.json entry -> the training config key that sets it
-CONFIG_KEYS = {"quantizer_type": "quantizer.type", "quantizer_kwargs.num_codes": "quantizer.num_codes",
-               "quantizer_kwargs.dim": "model.latent_dim", "encoder_kwargs.in_channels": "data.name (channels)",
-               "arch": "model.arch"}
+#: config.json keys that are no training config key -> the one that sets them
+CONFIG_KEYS = {"model.in_channels": "data.name (channels)", "model.resolution": "data.image_size"}
 
 
 def _shape_differences(exported: Dict, built: Dict) -> List[str]:
-    """'config key: export X, this config Y' for every constructor size that differs (the decoder's mirror the
-    encoder's)."""
+    """'config key: export X, this config Y' for every model size, the quantizer type and K that differ."""
     def flat(config: Dict) -> Dict:
-        q = config.get("quantizer_kwargs") or {}
-        return {"quantizer_type": config.get("quantizer_type"), "arch": config.get("arch", "vqvae"),
-                **{f"encoder_kwargs.{k}": v for k, v in (config.get("encoder_kwargs") or {}).items()},
-                **{f"quantizer_kwargs.{k}": q.get(k) for k in ("num_codes", "dim")}}
+        q = config.get("quantizer") or {}
+        return {**{f"model.{k}": v for k, v in (config.get("model") or {}).items()},
+                **{f"quantizer.{k}": q.get(k) for k in ("type", "num_codes")}}
     a, b = flat(exported), flat(built)
-    diffs: Dict[str, str] = {}
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            name = CONFIG_KEYS.get(key) or "model." + key.split(".", 1)[-1]
-            diffs.setdefault(name, f"{name}: export {a.get(key)!r}, this config {b.get(key)!r}")
-    return list(diffs.values())
+    return [f"{CONFIG_KEYS.get(k, k)}: export {a.get(k)!r}, this config {b.get(k)!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def init_from_export(model: nn.Module, source: str) -> None:

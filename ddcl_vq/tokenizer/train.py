@@ -34,7 +34,7 @@ from ddcl_vq.common.errors import Diverged, UserError, entry_point, one_line, te
 from ddcl_vq.common.rundir import note
 from ddcl_vq.common.skeleton import TrainingRun, is_due, teardown_distributed, wrap_ddp
 from ddcl_vq.common import threads
-from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
+from ddcl_vq.tokenizer.config import build_model, build_optimizer, lr_lambda
 from ddcl_vq.tokenizer.config import (Config, TrainConfig, check_resume, dump_config, finished_summary, follow_run_dir,
                                       load_config, run_dir_of_config, saved_config, validate_training)
 from ddcl_vq.tokenizer.evaluate import EVAL_BATCH_SIZE, reconstruction_pass
@@ -249,7 +249,7 @@ def _train(cfg: Config, run: TrainingRun, verbose: bool = False) -> Dict:
     model = build_model(cfg, image_channels(cfg.data)).to(device)
     if t.init_from and found is None:  # a new run from an exported model (a resumed one has its own)
         init_from_export(model, t.init_from)
-    optimizer = build_optimizer(model, t, cfg.quantizer.type)
+    optimizer = build_optimizer(model, t, cfg.quantizer['type'])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     # the loss section beyond the plain MSE (perceptual, discriminator): None for the defaults
     gan = GANStep.from_config(cfg, model, image_channels(cfg.data), device, world)

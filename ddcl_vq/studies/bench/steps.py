@@ -241,7 +241,7 @@ CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"  # the repository:
 def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
     """-> (label -> (train config, model, optimizer, lr schedule), where they came from, why the configs' stand-ins
     (the defaults with E2E_OVERRIDES) were used, or None)."""
-    from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
+    from ddcl_vq.tokenizer.config import build_model, build_optimizer, lr_lambda
     from ddcl_vq.tokenizer.config import load_config
     missing = [name for _, name in E2E_CONFIGS if not (configs / name).is_file()]
     models = {}
@@ -251,13 +251,13 @@ def e2e_models(configs: Path = CONFIGS_DIR) -> Tuple[dict, str, Optional[str]]:
             cfg = load_config(None, E2E_OVERRIDES[label]) if missing else load_config(configs / cfg_name)
             torch.manual_seed(0)
             model = build_model(cfg, in_channels=1)
-            opt = build_optimizer(model, cfg.train, cfg.quantizer.type)
+            opt = build_optimizer(model, cfg.train, cfg.quantizer['type'])
             models[label] = (cfg.train, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train)))
     if missing:
         return models, "the training config's defaults (" + ", ".join(
             f"{label}: {' '.join(o) or 'as they are'}" for label, o in E2E_OVERRIDES.items()) + ")", \
             f"{', '.join(missing)} not found in {configs}"
-    return models, "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.tokenizer.builders", None
+    return models, "configs/fashion_ddcl.yaml vs configs/fashion_hard.yaml via ddcl_vq.tokenizer.config", None
 
 
 def e2e_rows(repeats: int = 5, warmup: int = 2, batch: int = 128, device: str = "cpu") -> List[dict]:
@@ -345,7 +345,7 @@ def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
     training loop builds them, or (None, the reason) when the recipe cannot be built here."""
     from ddcl_vq.common.config import ConfigError
     from ddcl_vq.common.data import build_dataset, image_channels
-    from ddcl_vq.tokenizer.builders import build_model, build_optimizer, lr_lambda
+    from ddcl_vq.tokenizer.config import build_model, build_optimizer, lr_lambda
     from ddcl_vq.tokenizer.config import load_config
     from ddcl_vq.tokenizer.losses import GANStep
     from ddcl_vq.tokenizer.train import mixed_precision
@@ -361,7 +361,7 @@ def vqgan_setups(configs: Path = CONFIGS_DIR, device: str = "cpu"):
             channels = image_channels(cfg.data)
             torch.manual_seed(cfg.run.seed)                     # as the loop: seed, then build
             model = build_model(cfg, channels).to(dev)
-            optimizer = build_optimizer(model, cfg.train, cfg.quantizer.type)
+            optimizer = build_optimizer(model, cfg.train, cfg.quantizer['type'])
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
             try:
                 gan = GANStep.from_config(cfg, model, channels, dev, 1)
@@ -404,8 +404,8 @@ def vqgan_rows(repeats: int = 5, warmup: int = 2, batch: int = 16, device: str =
     rows = []
     for label, overrides in VQGAN_ARMS:
         cfg, model, _, _, gan = setups[label][:5]
-        rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model.latent_dim,
-                         K=cfg.quantizer.num_codes, peak_mb=None, batch=batch, input_shape=list(x.shape),
+        rows.append(dict(impl=f"vqgan-step-{label}", N=n_vectors[label], D=cfg.model['latent_dim'],
+                         K=cfg.quantizer['num_codes'], peak_mb=None, batch=batch, input_shape=list(x.shape),
                          runs=repeats, path=assignment_path(model.quantizer, n_vectors[label]),
                          source=f"configs/{VQGAN_CONFIG} " + " ".join(overrides),
                          disc_on=bool(gan is not None and gan.disc_active(cfg.loss.disc_start)),
