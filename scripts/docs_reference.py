@@ -40,7 +40,8 @@ MODEL_NOTES = {
 QUANTIZER_NOTES = {"type": "the quantizer class (`ddcl_vq.models.vqvae.QUANTIZER_TYPES`)",
                    "num_codes": "K, the codebook size",
                    "…": "any keyword argument of the vector-quantize-pytorch class the quantizer wraps "
-                        "(`VectorQuantize`, `FSQ`, `SimVQ`, `LFQ`), as it is"}
+                        "(`VectorQuantize`, `FSQ`, `SimVQ`, `LFQ`), as it is; for residual_ddcl and grouped_ddcl, "
+                        "`DDCLQuantizer`'s (`quantizer.temperature`, …), given to every level or group"}
 
 
 def cell(text: str) -> str:

@@ -162,3 +162,34 @@ def test_eval_json_and_compare_tables_gain_per_level_fields(tiny_run, residual_m
     md = (tmp_path / "table.md").read_text()
     assert md.splitlines()[0] == markdown_table(rows[:1]).splitlines()[0]  # the same columns
     assert "per_level" not in md.split("\n\n")[0]
+
+
+@pytest.mark.parametrize("qtype,extra,books", [("residual_ddcl", "quantizer.num_levels=2", 2),
+                                               ("grouped_ddcl", "quantizer.groups=2", 2)])
+def test_a_config_trains_resumes_and_evaluates_a_multi_codebook_model(qtype, extra, books, tmp_path):
+    """quantizer.type=residual_ddcl / grouped_ddcl: one registry entry each; the training log's usage window and queue
+    count (codebook, code) pairs, the summary and eval.json carry each codebook's figures, a resume is the straight run."""
+    def run(name):
+        return load_config("configs/fashion_ddcl.yaml", TINY + [
+            f"quantizer.type={qtype}", extra, "train.threads=1", f"run.dir={tmp_path / name}", "train.eval_images=64"])
+    summary = train(run("straight"), quiet=True)
+    c = summary["codebook"]
+    assert c["codebooks"] == books and len(c["utilization_per_codebook"]) == books
+    assert c["active_codes"] == sum(c["active_codes_per_codebook"])
+    assert summary["training_usage"]["queue_indices"] == 6 * 32 * 64 * books
+    train(run("resumed"), quiet=True, stop_after=4)
+    train(run("resumed"), quiet=True)
+    straight, resumed = (torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True)["model"]
+                         for n in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    ev = evaluate_run(tmp_path / "straight", max_images=64, batch_size=64, write=False)
+    assert ev["codebook"]["levels"] == books and len(ev["codebook"]["dead_codes_per_level"]) == books
+    assert ("hard_by_levels" in ev["recon"]) == (qtype == "residual_ddcl")
+
+
+def test_a_misspelt_level_option_names_the_key_and_the_nearest():
+    from ddcl_vq.common.config import ConfigError
+    with pytest.raises(ConfigError, match=r"'quantizer.tempertaure'; did you mean 'quantizer.temperature'"):
+        load_config("configs/fashion_ddcl.yaml", ["quantizer.type=residual_ddcl", "quantizer.tempertaure=0.1"])
+    cfg = load_config("configs/fashion_ddcl.yaml", ["quantizer.type=grouped_ddcl", "quantizer.temperature=0.1"])
+    assert cfg.quantizer["temperature"] == 0.1 and cfg.quantizer["groups"] == 2

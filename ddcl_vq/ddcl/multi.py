@@ -34,6 +34,8 @@ class MultiCodebookDDCL(Quantizer):
     matrix and ``_lookup_codes(indices)``."""
 
     has_soft_codes = True
+    #: the keyword arguments ``**ddcl_options`` hands to every level's or group's DDCLQuantizer
+    level_options: Tuple[str, ...] = DDCL_LEVEL_OPTIONS
     quantizers: nn.ModuleList
     num_codebooks: int
     #: what one trailing index entry is called in messages and ``terms`` ("level", "group")

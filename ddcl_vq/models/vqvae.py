@@ -17,13 +17,14 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import Tensor, nn
 
-from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, HardVQ, IBQQuantizer, LFQQuantizer, Quantizer,
-                     QuantizerOutput, SimVQQuantizer, VQPQuantizer)
+from ddcl_vq import (EMAVQ, DDCLQuantizer, FSQQuantizer, FVQQuantizer, GroupedDDCL, HardVQ, IBQQuantizer,
+                     LFQQuantizer, Quantizer, QuantizerOutput, ResidualDDCL, SimVQQuantizer, VQPQuantizer)
 
 #: the one registry of quantizer types: a config's ``quantizer.type`` -> the class; the rest of the ``quantizer``
 #: section is that class's keyword arguments (``dim`` is ``model.latent_dim``)
 QUANTIZER_TYPES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "ema": EMAVQ, "vqp": VQPQuantizer, "fsq": FSQQuantizer,
-                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer}
+                   "simvq": SimVQQuantizer, "lfq": LFQQuantizer, "ibq": IBQQuantizer, "fvq": FVQQuantizer,
+                   "residual_ddcl": ResidualDDCL, "grouped_ddcl": GroupedDDCL}
 CONFIG_FORMAT = "ddcl-vq/vqvae"
 #: the keys every config.json holds (the encoder's and the quantizer's keyword arguments), and 0.2.0's (migrated)
 REQUIRED = ("model", "quantizer")

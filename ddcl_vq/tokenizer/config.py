@@ -44,13 +44,16 @@ MOVED["quantizer.fsq_levels"] = "0.2.0's quantizer.fsq_levels is now quantizer.l
 
 
 def constructor_keys(cls: type) -> Tuple[Dict[str, inspect.Parameter], Optional[List[str]]]:
-    """(``cls``'s keyword arguments but :data:`NOT_IN_CONFIG`, the keywords its ``**kwargs`` hands to its
-    vector-quantize-pytorch class ``cls.peer``: [] without ``**kwargs``, None when they cannot be known)."""
+    """(``cls``'s keyword arguments but :data:`NOT_IN_CONFIG`, the keywords its ``**kwargs`` hands on: to its
+    vector-quantize-pytorch class ``cls.peer``, or ``cls.level_options``; [] without ``**kwargs``, None when they
+    cannot be known)."""
     params = inspect.signature(cls.__init__).parameters
     named = {name: p for name, p in params.items() if name != "self" and name not in NOT_IN_CONFIG
              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return named, []
+    if hasattr(cls, "level_options"):  # residual/grouped DDCL: DDCLQuantizer's keywords, for every codebook
+        return named, [k for k in cls.level_options if k not in named]
     try:
         import vector_quantize_pytorch
         peer = inspect.signature(getattr(vector_quantize_pytorch, cls.peer).__init__).parameters

@@ -52,9 +52,12 @@ class LogState:
 
     def __init__(self, model: VQVAE, device: torch.device, world: int = 1, is_main: bool = True):
         self.is_main = is_main
-        self.usage = CodebookUsage(model.quantizer.num_codes, device=device)
+        k, self.codebooks = model.quantizer.num_codes, getattr(model.quantizer, "num_codebooks", 1)
+        self.usage = CodebookUsage(k, device=device, codebooks=self.codebooks)
         self.stats: Optional[UsageStats] = None
-        self.recent = RecentUsage(model.quantizer.num_codes, device=device, world=world)
+        # several codebooks (residual levels, groups): one queue over their K·C (codebook, code) pairs, whose
+        # figures are the means over codebooks of each codebook's
+        self.recent = RecentUsage(k * self.codebooks, device=device, world=world)
         self.recent_stats: Optional[Dict] = None  # the last window's queue and per-batch figures
         self.revived_logged = float(getattr(model.quantizer, "revived", 0))  # for revived_new
 
@@ -79,6 +82,12 @@ class LogState:
         self.recent_stats = state["recent_stats"]
 
 
+def pair_indices(indices: torch.Tensor, num_codes: int) -> torch.Tensor:
+    """(..., C) indices of C codebooks -> the (codebook, code) pairs c·K + k, flattened; −1 (a level left out) dropped."""
+    pairs = indices + num_codes * torch.arange(indices.shape[-1], device=indices.device)
+    return pairs[indices >= 0]
+
+
 #: TensorBoard names of metrics.jsonl keys whose name alone would mislead
 TB_NAMES = {"revived": "revived_total"}
 
@@ -99,7 +108,8 @@ class RunLog:
         q, run = out.quantizer, self.run
         window = self.state.usage
         window.update(q.indices, q.soft_counts)
-        self.state.recent.update(q.indices)
+        self.state.recent.update(q.indices if self.state.codebooks == 1 else
+                                 pair_indices(q.indices, self.model.quantizer.num_codes))
         if run.due(self.t.usage_window, step):
             self.state.stats = window.compute()  # all-reduced across processes
             window.reset()
@@ -349,8 +359,11 @@ def format_summary(summary: Dict, run_dir: Path, verbose: bool = False) -> str:
         lines.append(f"test set, {summary['num_images']} images, hard codes: MSE {summary['hard']['mse']:.5f}  "
                      f"PSNR {summary['hard']['psnr']:.2f} dB"
                      + (f"   (soft codes: PSNR {summary['soft']['psnr']:.2f} dB)" if summary.get("soft") else ""))
-        lines.append(f"codebook: utilization {c['utilization']:.1%} ({c['active_codes']}/{c['num_codes']} active, "
-                     f"{c['dead_codes']} dead), perplexity {c['perplexity']:.1f}")
+        books = c.get("codebooks") or 1  # several codebooks: active and dead are summed over them
+        per_book = (f" over {books} codebooks of {c['num_codes']}; per codebook "
+                    + ", ".join(f"{u:.0%}" for u in c["utilization_per_codebook"])) if books > 1 else ""
+        lines.append(f"codebook: utilization {c['utilization']:.1%} ({c['active_codes']}/{c['num_codes'] * books} "
+                     f"active, {c['dead_codes']} dead{per_book}), perplexity {c['perplexity']:.1f}")
         r = summary.get("training_usage")
         if r and r.get("queue_utilization") is not None:
             lines.append(f"training's last indices: queue utilization {r['queue_utilization']:.1%} of the last "
