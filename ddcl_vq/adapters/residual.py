@@ -94,6 +94,14 @@ def _load_host_keys(module: "ResidualVQAdapter", state_dict: Dict[str, Any], pre
             state_dict.pop(base + name, None)
 
 
+
+def _unsaved_ddcl_state(ddcl: ResidualDDCL) -> None:
+    """Every level's DDCL buffers and the warm-up counter kept out of the state_dict: it keeps the host's keys."""
+    for level in ddcl.quantizers:
+        for name in ("initialized",) + tuple(STATE_BUFFERS):
+            level.register_buffer(name, getattr(level, name), persistent=False)
+    ddcl.register_buffer("warmup_batches", ddcl.warmup_batches, persistent=False)
+
 class ResidualVQAdapter(nn.Module):
     """:class:`~ddcl_vq.ResidualDDCL` behind vector-quantize-pytorch's ``ResidualVQ`` convention.
 
@@ -129,10 +137,7 @@ class ResidualVQAdapter(nn.Module):
         self.project_out = nn.Linear(codebook_dim, dim) if self.has_projections else nn.Identity()
         self.ddcl = ResidualDDCL(codebook_size, codebook_dim, num_quantizers, shared_codebook=shared_codebook,
                                  quantize_dropout=self.quantize_dropout, channel_dim=-1, **options.as_kwargs())
-        for level in self.ddcl.quantizers:  # not saved: the state_dict keeps the host's keys
-            for name in ("initialized",) + tuple(STATE_BUFFERS):
-                level.register_buffer(name, getattr(level, name), persistent=False)
-        self.ddcl.register_buffer("warmup_batches", self.ddcl.warmup_batches, persistent=False)
+        _unsaved_ddcl_state(self.ddcl)
         self.last_output = None
         self.register_state_dict_post_hook(_save_host_keys)
         self.register_load_state_dict_pre_hook(_load_host_keys)
@@ -323,10 +328,7 @@ class EncodecRVQAdapter(nn.Module):
         options = DDCLOptions.from_kwargs(ddcl_options, beta=commitment_weight, beta_name="commitment_weight")
         self.num_quantizers, self.dim, self.codebook_size = num_quantizers, dim, codebook_size
         self.ddcl = ResidualDDCL(codebook_size, dim, num_quantizers, channel_dim=1, **options.as_kwargs())
-        for level in self.ddcl.quantizers:
-            for name in ("initialized",) + tuple(STATE_BUFFERS):
-                level.register_buffer(name, getattr(level, name), persistent=False)
-        self.ddcl.register_buffer("warmup_batches", self.ddcl.warmup_batches, persistent=False)
+        _unsaved_ddcl_state(self.ddcl)
         self.last_output = None
         self.register_state_dict_post_hook(_save_encodec_keys)
         self.register_load_state_dict_pre_hook(_load_encodec_keys)
